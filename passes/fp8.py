@@ -1,0 +1,491 @@
+"""FP8 (float8e4m3fn) explicit quantization: QuantizeLinear/DequantizeLinear on the inputs of linear layers.
+
+A *linear layer* is a MatMul whose B input is a constant 2-D weight (an initializer or a Constant node),
+possibly reached through Transpose and Cast nodes. Every attention and FFN projection is one, and so is a
+fused FFN (a wide MatMul). Each gets
+
+- its weight stored as a float8e4m3fn initializer in [in, out] layout, scaled per output channel
+  (scale = amax / 448 over the input dimension), feeding DequantizeLinear(axis=1);
+- its activation input quantized per tensor: QuantizeLinear -> DequantizeLinear with a scale from
+  calibration (amax, or a percentile of |x|, over calibration tokens run through ONNX Runtime), divided
+  by 448. One Q/DQ pair is shared by all linear layers reading the same tensor.
+
+Embeddings (Gather) are untouched; the lm_head (the linear layer from which a graph output is reached
+without passing another MatMul) keeps its precision unless `quantize_lm_head=True`.
+
+Weights are processed one at a time: the scales are computed eagerly from the (memory-mapped) source
+weight, and the FP8 values are a LazyTensor computed from it again when the model is saved.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import sys
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import onnx_ir as ir
+from onnx_ir.passes.common import RemoveUnusedNodesPass
+
+from passes.errors import UserError
+
+FP8_MAX = 448.0
+MIN_FP8_OPSET = 19
+TARGET_OPSET = 21
+SCALES_FORMAT = "ffn-fusion-fp8-scales/1"
+_HIST_BINS = 4096
+_PASSTHROUGH_WEIGHT_OPS = ("Transpose", "Cast", "Identity")
+
+
+# --------------------------------------------------------------------------------------------- finding
+
+
+@dataclass(frozen=True)
+class WeightSource:
+    """The constant weight behind a MatMul's B input."""
+
+    value: ir.Value  # initializer, or the output of a Constant node
+    tensor: ir.TensorProtocol
+    transpose: bool  # True when the stored tensor is [out, in]
+
+
+@dataclass(frozen=True)
+class Linear:
+    node: ir.Node
+    activation: ir.Value
+    weight: WeightSource
+    is_lm_head: bool
+
+    @property
+    def width(self) -> tuple[int, int]:
+        """(in, out) of the weight as the MatMul sees it."""
+        rows, cols = (int(d) for d in self.weight.tensor.shape)
+        return (cols, rows) if self.weight.transpose else (rows, cols)
+
+
+def _constant_tensor(value: ir.Value) -> ir.TensorProtocol | None:
+    if value.is_graph_input():
+        return None
+    if value.const_value is not None and value.is_initializer():
+        return value.const_value
+    producer = value.producer()
+    if producer is not None and producer.op_type == "Constant" and producer.domain == "":
+        attr = producer.attributes.get("value")
+        if attr is not None and attr.type == ir.AttributeType.TENSOR:
+            return attr.value
+    return None
+
+
+def _weight_source(value: ir.Value) -> WeightSource | None:
+    """Follow Transpose/Cast/Identity back to a constant 2-D weight; None if B is not constant."""
+    transpose = False
+    for _ in range(8):
+        tensor = _constant_tensor(value)
+        if tensor is not None:
+            if len(tensor.shape) != 2 or not tensor.dtype.is_floating_point():
+                return None
+            return WeightSource(value=value, tensor=tensor, transpose=transpose)
+        producer = value.producer()
+        if producer is None or producer.domain != "" or producer.op_type not in _PASSTHROUGH_WEIGHT_OPS:
+            return None
+        if producer.op_type == "Transpose":
+            perm = producer.attributes.get("perm")
+            if perm is not None and list(perm.as_ints()) != [1, 0]:
+                return None
+            transpose = not transpose
+        value = producer.inputs[0]
+        if value is None:
+            return None
+    return None
+
+
+def _reaches_output_without_matmul(value: ir.Value) -> bool:
+    seen: set[int] = set()
+    stack = [value]
+    while stack:
+        current = stack.pop()
+        if current.is_graph_output():
+            return True
+        for node in current.consumers():
+            if id(node) in seen or node.op_type in ("MatMul", "Gemm"):
+                continue
+            seen.add(id(node))
+            stack.extend(node.outputs)
+    return False
+
+
+def find_linears(graph: ir.Graph) -> list[Linear]:
+    """All linear layers (MatMul with a constant 2-D B) in graph order."""
+    found = []
+    for node in graph:
+        if node.op_type != "MatMul" or node.domain != "" or len(node.inputs) != 2:
+            continue
+        a, b = node.inputs
+        if a is None or b is None or not (a.dtype and a.dtype.is_floating_point()):
+            continue
+        source = _weight_source(b)
+        if source is None:
+            continue
+        lm_head = _reaches_output_without_matmul(node.outputs[0])
+        found.append(Linear(node=node, activation=a, weight=source, is_lm_head=lm_head))
+    return found
+
+
+# ----------------------------------------------------------------------------------------- calibration
+
+
+@dataclass
+class ActivationScales:
+    """Per-tensor activation scales (tensor name -> scale) and how they were obtained."""
+
+    scales: dict[str, float]
+    amax: dict[str, float] = field(default_factory=dict)
+    percentile: float | None = None
+    tokens_sha256: str = ""
+    num_tokens: int = 0
+
+    def save(self, path: str | Path) -> None:
+        record = {
+            "format": SCALES_FORMAT,
+            "fp8_max": FP8_MAX,
+            "percentile": self.percentile,
+            "calibration_tokens_sha256": self.tokens_sha256,
+            "num_tokens": self.num_tokens,
+            "scales": self.scales,
+            "amax": self.amax,
+        }
+        Path(path).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> ActivationScales:
+        try:
+            record = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            raise UserError(f"cannot read FP8 scales file {path}: {exc}") from None
+        if not isinstance(record, dict) or record.get("format") != SCALES_FORMAT:
+            raise UserError(f"{path} is not an FP8 scales file (expected format {SCALES_FORMAT!r})")
+        scales = record.get("scales")
+        if not isinstance(scales, dict) or not all(
+            isinstance(v, int | float) and v > 0 and math.isfinite(v) for v in scales.values()
+        ):
+            raise UserError(f"{path}: 'scales' must map tensor names to positive numbers")
+        return cls(
+            scales={str(k): float(v) for k, v in scales.items()},
+            amax={str(k): float(v) for k, v in record.get("amax", {}).items()},
+            percentile=record.get("percentile"),
+            tokens_sha256=str(record.get("calibration_tokens_sha256", "")),
+            num_tokens=int(record.get("num_tokens", 0)),
+        )
+
+
+class _AbsStats:
+    """Running max of |x| and, for percentiles, a histogram whose range doubles as the max grows."""
+
+    def __init__(self, keep_histogram: bool) -> None:
+        self.amax = 0.0
+        self.keep_histogram = keep_histogram
+        self.hist: np.ndarray | None = None
+        self.hi = 0.0
+
+    def update(self, x: np.ndarray) -> None:
+        absx = np.abs(np.asarray(x, dtype=np.float32)).ravel()
+        absx = absx[np.isfinite(absx)]
+        if absx.size == 0:
+            return
+        batch_max = float(absx.max())
+        self.amax = max(self.amax, batch_max)
+        if not self.keep_histogram:
+            return
+        if self.hist is None:
+            self.hist = np.zeros(_HIST_BINS, dtype=np.int64)
+            self.hi = batch_max if batch_max > 0 else 1e-12
+        while batch_max > self.hi:
+            merged = self.hist.reshape(-1, 2).sum(axis=1)
+            self.hist = np.concatenate([merged, np.zeros_like(merged)])
+            self.hi *= 2.0
+        self.hist += np.histogram(absx, bins=_HIST_BINS, range=(0.0, self.hi))[0]
+
+    def value(self, percentile: float | None) -> float:
+        if percentile is None or self.hist is None:
+            return self.amax
+        cdf = np.cumsum(self.hist) / max(int(self.hist.sum()), 1)
+        index = int(np.searchsorted(cdf, percentile / 100.0))
+        return min(self.amax, (index + 1) * self.hi / _HIST_BINS)
+
+
+def tokens_sha256(token_batches: Iterable[np.ndarray]) -> str:
+    digest = hashlib.sha256()
+    for batch in token_batches:
+        array = np.ascontiguousarray(batch, dtype=np.int64)
+        digest.update(repr(array.shape).encode())
+        digest.update(array.tobytes())
+    return digest.hexdigest()
+
+
+def scale_from_amax(amax: float) -> float:
+    return amax / FP8_MAX if amax > 0 and math.isfinite(amax) else 1.0
+
+
+def _calibration_session(model_path: Path, names: list[str]):
+    import onnxruntime as ort
+
+    model = ir.load(model_path)
+    by_name = {v.name: v for v in _all_values(model.graph)}
+    outputs = {v.name for v in model.graph.outputs}
+    for name in names:
+        if name not in outputs:
+            model.graph.outputs.append(by_name[name])
+    options = ort.SessionOptions()
+    options.add_session_config_entry(
+        "session.model_external_initializers_file_folder_path", str(model_path.resolve().parent)
+    )
+    options.log_severity_level = 3
+    proto = ir.to_proto(model)
+    return ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def _all_values(graph: ir.Graph) -> Iterable[ir.Value]:
+    yield from graph.inputs
+    for node in graph:
+        yield from node.outputs
+
+
+def _feeds(session, batch) -> dict[str, np.ndarray]:
+    if isinstance(batch, Mapping):
+        return {k: np.asarray(v) for k, v in batch.items()}
+    inputs = session.get_inputs()
+    if len(inputs) != 1:
+        names = ", ".join(i.name for i in inputs)
+        raise UserError(f"the model has several inputs ({names}); pass calibration batches as dicts of feeds")
+    return {inputs[0].name: np.asarray(batch, dtype=np.int64)}
+
+
+def calibrate(
+    model_path: str | Path,
+    token_batches: Iterable[np.ndarray | Mapping[str, np.ndarray]],
+    percentile: float | None = None,
+    *,
+    progress: bool = True,
+) -> ActivationScales:
+    """Run calibration batches through ONNX Runtime and return per-tensor activation scales.
+
+    The inputs of every linear layer (the lm_head's included, so one file serves both settings of
+    `quantize_lm_head`) become extra outputs of a temporary copy of the model; the weights stay where
+    they are (external data is read from the model's folder). `percentile` (e.g. 99.99) clips the
+    amax to that percentile of |x| over all calibration tokens and channels.
+    """
+    from tqdm import tqdm
+
+    if percentile is not None and not 0 < percentile <= 100:
+        raise UserError(f"percentile must be in (0, 100], got {percentile}")
+    model_path = Path(model_path)
+    if not model_path.is_file():
+        raise UserError(f"model not found: {model_path}")
+    names = list(dict.fromkeys(lin.activation.name for lin in find_linears(ir.load(model_path).graph)))
+    if not names:
+        raise UserError(f"{model_path} has no linear layers (MatMul with a constant weight) to calibrate")
+    session = _calibration_session(model_path, names)
+    stats = {name: _AbsStats(percentile is not None) for name in names}
+    digest = hashlib.sha256()
+    num_tokens = 0
+    batches = list(token_batches)
+    if not batches:
+        raise UserError("no calibration tokens given")
+    for batch in tqdm(batches, desc="calibrate", unit="batch", file=sys.stderr, disable=not progress):
+        feeds = _feeds(session, batch)
+        for key in sorted(feeds):
+            array = np.ascontiguousarray(feeds[key])
+            digest.update(f"{key}{array.shape}{array.dtype}".encode())
+            digest.update(array.tobytes())
+        num_tokens += int(next(iter(feeds.values())).size)
+        for name, value in zip(names, session.run(names, feeds), strict=True):
+            stats[name].update(value)
+    amax = {name: s.value(percentile) for name, s in stats.items()}
+    return ActivationScales(
+        scales={name: scale_from_amax(a) for name, a in amax.items()},
+        amax=amax,
+        percentile=percentile,
+        tokens_sha256=digest.hexdigest(),
+        num_tokens=num_tokens,
+    )
+
+
+# -------------------------------------------------------------------------------------------- rewriting
+
+
+@dataclass
+class QuantReport:
+    quantized: list[str] = field(default_factory=list)  # MatMul node names
+    skipped: dict[str, str] = field(default_factory=dict)  # MatMul node name -> reason
+    weights: int = 0
+    activations: int = 0
+    source_weight_bytes: int = 0
+    fp8_weight_bytes: int = 0
+    max_width: int = 0  # widest output dimension quantized (a fused FFN shows up here)
+    opset: tuple[int, int] = (0, 0)
+
+
+def _weight_matrix(tensor: ir.TensorProtocol, transpose: bool) -> np.ndarray:
+    """The weight as the MatMul sees it, [in, out], float32 (one weight in memory at a time)."""
+    array = np.asarray(tensor.numpy()).astype(np.float32, copy=False)
+    return array.T if transpose else array
+
+
+def _channel_scales(weight: np.ndarray, dtype: ir.DataType) -> np.ndarray:
+    amax = np.abs(weight).max(axis=0)
+    scale = np.where((amax > 0) & np.isfinite(amax), amax / FP8_MAX, 1.0)
+    return scale.astype(dtype.numpy()).astype(np.float32)
+
+
+def _to_fp8(weight: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    return np.clip(weight / scale, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
+
+
+def _fp8_weight(tensor: ir.TensorProtocol, transpose: bool, scale: np.ndarray, name: str) -> ir.LazyTensor:
+    rows, cols = (int(d) for d in tensor.shape)
+    shape = ir.Shape([cols, rows] if transpose else [rows, cols])
+
+    def materialize() -> ir.Tensor:
+        fp8 = np.ascontiguousarray(_to_fp8(_weight_matrix(tensor, transpose), scale))
+        return ir.Tensor(fp8, dtype=ir.DataType.FLOAT8E4M3FN, name=name)
+
+    return ir.LazyTensor(materialize, dtype=ir.DataType.FLOAT8E4M3FN, shape=shape, name=name)
+
+
+class _Namer:
+    def __init__(self, graph: ir.Graph) -> None:
+        self.used = {v.name for v in _all_values(graph)} | set(graph.initializers)
+
+    def __call__(self, base: str) -> str:
+        name, i = base, 1
+        while name in self.used:
+            name, i = f"{base}_{i}", i + 1
+        self.used.add(name)
+        return name
+
+
+def _initializer(graph: ir.Graph, name: str, tensor: ir.TensorProtocol) -> ir.Value:
+    value = ir.Value(name=name, shape=ir.Shape(tensor.shape), type=ir.TensorType(tensor.dtype))
+    value.const_value = tensor
+    graph.register_initializer(value)
+    return value
+
+
+def _raise_opset(model: ir.Model, target: int) -> tuple[int, int]:
+    before = model.opset_imports.get("", model.graph.opset_imports.get("", 1))
+    if before >= target:
+        return before, before
+    from onnxscript import version_converter
+
+    version_converter.convert_version(model, target)
+    after = model.opset_imports.get("", before)
+    if after < MIN_FP8_OPSET:
+        raise UserError(f"cannot raise the model's opset from {before} to {target} for FP8 Q/DQ")
+    return before, after
+
+
+class _Rewriter:
+    def __init__(self, model: ir.Model) -> None:
+        self.graph = model.graph
+        self.name = _Namer(model.graph)
+        self.zero = _initializer(
+            self.graph,
+            self.name("fp8_zero_point"),
+            ir.Tensor(np.zeros((), dtype=ml_dtypes.float8_e4m3fn), dtype=ir.DataType.FLOAT8E4M3FN),
+        )
+        self.weights: dict[tuple[int, bool, ir.DataType], ir.Value] = {}
+        self.activations: dict[str, ir.Value] = {}
+
+    def weight(self, linear: Linear, report: QuantReport) -> ir.Value:
+        source, dtype = linear.weight, linear.node.inputs[1].dtype
+        key = (id(source.tensor), source.transpose, dtype)
+        if key in self.weights:
+            return self.weights[key]
+        base = source.value.name or "weight"
+        scale = _channel_scales(_weight_matrix(source.tensor, source.transpose), dtype)
+        fp8_name = self.name(f"{base}_fp8")
+        q = _initializer(self.graph, fp8_name, _fp8_weight(source.tensor, source.transpose, scale, fp8_name))
+        s_name = self.name(f"{base}_fp8_scale")
+        s = _initializer(self.graph, s_name, ir.Tensor(scale.astype(dtype.numpy()), dtype=dtype, name=s_name))
+        node = ir.node(
+            "DequantizeLinear", [q, s], {"axis": 1}, name=self.name(f"{base}_DequantizeLinear"),
+        )
+        node.outputs[0].name = self.name(f"{base}_dq")
+        node.outputs[0].dtype = dtype
+        node.outputs[0].shape = ir.Shape(list(linear.width))
+        self.graph.insert_before(linear.node, node)
+        self.weights[key] = node.outputs[0]
+        report.weights += 1
+        report.source_weight_bytes += int(source.tensor.nbytes)
+        report.fp8_weight_bytes += math.prod(linear.width)
+        report.max_width = max(report.max_width, linear.width[1])
+        return node.outputs[0]
+
+    def activation(self, linear: Linear, scale: float, report: QuantReport) -> ir.Value:
+        x = linear.activation
+        if x.name in self.activations:
+            return self.activations[x.name]
+        s_name = self.name(f"{x.name}_act_scale")
+        s = _initializer(
+            self.graph, s_name, ir.Tensor(np.array(scale, dtype=x.dtype.numpy()), dtype=x.dtype, name=s_name)
+        )
+        quant = ir.node("QuantizeLinear", [x, s, self.zero], name=self.name(f"{x.name}_QuantizeLinear"))
+        quant.outputs[0].name = self.name(f"{x.name}_q")
+        quant.outputs[0].dtype = ir.DataType.FLOAT8E4M3FN
+        quant.outputs[0].shape = x.shape
+        dequant = ir.node(
+            "DequantizeLinear", [quant.outputs[0], s, self.zero], name=self.name(f"{x.name}_DequantizeLinear")
+        )
+        dequant.outputs[0].name = self.name(f"{x.name}_dq")
+        dequant.outputs[0].dtype = x.dtype
+        dequant.outputs[0].shape = x.shape
+        self.graph.insert_before(linear.node, [quant, dequant])
+        self.activations[x.name] = dequant.outputs[0]
+        report.activations += 1
+        return dequant.outputs[0]
+
+
+def quantize_fp8(
+    model: ir.Model,
+    act_scales: Mapping[str, float] | ActivationScales,
+    quantize_lm_head: bool = False,
+    *,
+    target_opset: int = TARGET_OPSET,
+) -> QuantReport:
+    """Insert FP8 Q/DQ on the inputs of every linear layer of `model`, in place.
+
+    `act_scales` maps activation tensor names (the linear layers' A inputs) to per-tensor scales; a
+    linear layer whose input has no scale is a UserError (calibrate the same model). Raises the default
+    opset to `target_opset` (at least 19 is needed for float8). Unused source weights are removed.
+    """
+    scales = act_scales.scales if isinstance(act_scales, ActivationScales) else dict(act_scales)
+    linears = find_linears(model.graph)
+    report = QuantReport()
+    chosen = []
+    for linear in linears:
+        if linear.is_lm_head and not quantize_lm_head:
+            report.skipped[linear.node.name or "?"] = "lm_head (keeps its precision; quantize_lm_head=True)"
+        else:
+            chosen.append(linear)
+    missing = sorted({lin.activation.name for lin in chosen if lin.activation.name not in scales})
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise UserError(
+            f"no activation scale for {len(missing)} linear input(s): {shown}; "
+            "calibrate this model (the scales file belongs to another graph)"
+        )
+    report.opset = _raise_opset(model, target_opset)
+    rewriter = _Rewriter(model)
+    for linear in chosen:
+        a = rewriter.activation(linear, scales[linear.activation.name], report)
+        b = rewriter.weight(linear, report)
+        linear.node.replace_input_with(0, a)
+        linear.node.replace_input_with(1, b)
+        report.quantized.append(linear.node.name or "?")
+    RemoveUnusedNodesPass()(model)
+    return report

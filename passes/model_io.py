@@ -1,0 +1,103 @@
+"""Loading and saving models safely: checked external data, atomic writes, weights left on disk."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import onnx
+import onnx_ir as ir
+from google.protobuf.message import DecodeError
+
+from passes.errors import UserError
+
+# Above this many initializer bytes a model must be saved with external data (protobuf's 2 GB limit).
+EXTERNAL_DATA_THRESHOLD = 1_800_000_000
+
+
+def load_proto(path: str | Path) -> onnx.ModelProto:
+    """The model's protobuf without its external data, after checking the data files exist and stay
+    inside the model's folder."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"model {path} does not exist")
+    try:
+        proto = onnx.load(str(path), load_external_data=False)
+    except (DecodeError, RuntimeError, ValueError, onnx.onnx_cpp2py_export.checker.ValidationError) as exc:
+        raise UserError(f"{path} is not an ONNX model ({type(exc).__name__})") from None
+    if not proto.graph.node or not proto.opset_import:
+        raise UserError(f"{path} is not an ONNX model (no graph nodes or opset)")
+    check_external_data(proto, path.parent)
+    return proto
+
+
+def check_external_data(proto: onnx.ModelProto, folder: Path) -> None:
+    folder = folder.resolve()
+    for tensor in _external_tensors(proto):
+        info = {entry.key: entry.value for entry in tensor.external_data}
+        location = info.get("location", "")
+        target = (folder / location).resolve()
+        if not target.is_relative_to(folder) or os.path.isabs(location):
+            raise UserError(
+                f"initializer {tensor.name!r}: external data location {location!r} leaves the model's "
+                "folder (path traversal); refusing to read it"
+            )
+        if not target.is_file():
+            raise UserError(
+                f"initializer {tensor.name!r}: external data file {location!r} is missing; "
+                f"keep it beside the model in {folder}"
+            )
+        end = int(info.get("offset", 0)) + int(info.get("length", 0))
+        if end > target.stat().st_size:
+            raise UserError(f"initializer {tensor.name!r}: external data file {location!r} is truncated")
+
+
+def _external_tensors(proto: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
+    for tensor in proto.graph.initializer:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            yield tensor
+
+
+def has_external_data(path: str | Path) -> bool:
+    return any(True for _ in _external_tensors(onnx.load(str(path), load_external_data=False)))
+
+
+def load_model(path: str | Path) -> ir.Model:
+    """An onnx-ir model whose external weights stay memory-mapped on disk."""
+    proto = load_proto(path)
+    model = ir.serde.deserialize_model(proto)
+    ir.external_data.set_base_dir(model.graph, Path(path).parent)
+    return model
+
+
+def weight_bytes(model: ir.Model) -> int:
+    return sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
+
+
+@contextlib.contextmanager
+def staged_output(path: str | Path) -> Iterator[Path]:
+    """A temporary folder beside `path`; commit_output() moves its files into place, else nothing stays."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
+    try:
+        yield staging
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def save_model(model: ir.Model, path: Path, external: bool) -> None:
+    """Save (external data as `<name>.data` beside it when `external`); tensors are written one at a time."""
+    ir.save(model, path, external_data=f"{path.name}.data" if external else None)
+
+
+def commit_output(staged: Path, path: Path) -> None:
+    """Move a staged model (and its data file) to `path`; the data file first, the model last."""
+    data = staged.with_name(f"{staged.name}.data")
+    if data.exists():
+        os.replace(data, path.with_name(f"{path.name}.data"))
+    os.replace(staged, path)

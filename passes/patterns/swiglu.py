@@ -1,0 +1,155 @@
+"""SwiGLU FFN: down(silu(z @ W_gate) * (z @ W_up)) in the forms exporters emit (DESIGN 3).
+
+Weights are initializers used as [in, out], Transpose(initializer) or Gemm(transB=1) over [out, in],
+optionally behind a Cast. Gate and up are two MatMuls, or one gate_up MatMul split by Split or Slice
+along the last axis (Phi-3 style: the first half is the gate).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_ir as ir
+
+from passes.graph import NoMatch, attr, constant, is_initializer, maybe_producer, producer
+
+
+@dataclass(frozen=True)
+class Weight:
+    """A linear layer's weight, readable as the [in, out] matrix its MatMul multiplies by."""
+
+    source: ir.Value  # the initializer
+    transposed: bool  # stored as [out, in]
+    columns: tuple[int, int] | None = None  # a column range of a shared gate_up weight
+
+    @property
+    def dtype(self) -> ir.DataType:
+        return self.source.const_value.dtype
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        rows, cols = (int(d) for d in self.source.const_value.shape)
+        rows, cols = (cols, rows) if self.transposed else (rows, cols)
+        return (rows, cols) if self.columns is None else (rows, self.columns[1] - self.columns[0])
+
+    def matrix(self) -> np.ndarray:
+        """The [in, out] matrix in its stored dtype (reads the initializer; external data stays mapped)."""
+        array = self.source.const_value.numpy()
+        array = array.T if self.transposed else array
+        return array if self.columns is None else array[:, self.columns[0] : self.columns[1]]
+
+    def release(self) -> None:
+        """Unmap external data after reading, so memory does not grow with the model."""
+        release = getattr(self.source.const_value, "release", None)
+        if release is not None:
+            release()
+
+
+@dataclass(frozen=True)
+class SwiGLU:
+    input: ir.Value  # z, the normalized stream
+    gate: Weight
+    up: Weight
+    down: Weight
+    output: ir.Value
+
+    @property
+    def width(self) -> int:
+        return self.gate.shape[1]
+
+
+def match_swiglu(output: ir.Value) -> SwiGLU:
+    """Recognize the SwiGLU FFN whose down projection produces `output`."""
+    hidden, down = _match_linear(output)
+    product = producer(hidden, "Mul")
+    for silu_index in (0, 1):
+        try:
+            gate_out = _match_silu(product.inputs[silu_index])
+            up_out = product.inputs[1 - silu_index]
+            z, gate, up = _match_gate_up(gate_out, up_out)
+            break
+        except NoMatch as exc:
+            reason = exc
+    else:
+        raise reason
+    if not gate.shape == up.shape or gate.shape[1] != down.shape[0]:
+        raise NoMatch(f"SwiGLU weight shapes disagree: gate {gate.shape}, up {up.shape}, down {down.shape}")
+    return SwiGLU(z, gate, up, down, output)
+
+
+def _match_silu(value: ir.Value) -> ir.Value:
+    """Mul(g, Sigmoid(g)) in either order; returns g."""
+    mul = producer(value, "Mul")
+    for index in (0, 1):
+        sigmoid = maybe_producer(mul.inputs[index], "Sigmoid")
+        if sigmoid is not None and sigmoid.inputs[0] is mul.inputs[1 - index]:
+            return sigmoid.inputs[0]
+    raise NoMatch("no silu: Mul(x, Sigmoid(x))")
+
+
+def _match_gate_up(gate_out: ir.Value, up_out: ir.Value) -> tuple[ir.Value, Weight, Weight]:
+    split = maybe_producer(gate_out, "Split", "Slice")
+    if split is not None:
+        return _match_split_gate_up(gate_out, up_out)
+    z, gate = _match_linear(gate_out)
+    z_up, up = _match_linear(up_out)
+    if z_up is not z:
+        raise NoMatch("gate and up projections read different tensors")
+    return z, gate, up
+
+
+def _match_split_gate_up(gate_out: ir.Value, up_out: ir.Value) -> tuple[ir.Value, Weight, Weight]:
+    gate_node, up_node = gate_out.producer(), up_out.producer()
+    fused = gate_node.inputs[0]
+    if up_node is None or up_node.inputs[0] is not fused:
+        raise NoMatch("gate and up are not halves of one gate_up projection")
+    z, weight = _match_linear(fused)
+    gate_cols, up_cols = _columns(gate_node, gate_out, weight), _columns(up_node, up_out, weight)
+    return z, _sliced(weight, gate_cols), _sliced(weight, up_cols)
+
+
+def _sliced(weight: Weight, columns: tuple[int, int]) -> Weight:
+    return Weight(weight.source, weight.transposed, columns)
+
+
+def _columns(node: ir.Node, value: ir.Value, weight: Weight) -> tuple[int, int]:
+    """The column range of the gate_up output that a Split output or a Slice selects."""
+    width = weight.shape[1]
+    if node.op_type == "Split":
+        if attr(node, "axis", 0) not in (-1, 1, 2):
+            raise NoMatch("gate_up Split is not along the last axis")
+        sizes = constant(node.inputs[1]) if len(node.inputs) > 1 else attr(node, "split", None)
+        sizes = [width // len(node.outputs)] * len(node.outputs) if sizes is None else [int(s) for s in sizes]
+        index = list(node.outputs).index(value)
+        start = sum(sizes[:index])
+        return start, start + sizes[index]
+    starts, ends = constant(node.inputs[1]), constant(node.inputs[2])
+    axes = constant(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3] is not None else None
+    last_axis = axes is None or int(axes[0]) in (-1, 2)
+    if starts is None or ends is None or starts.size != 1 or not last_axis:
+        raise NoMatch("gate_up Slice is not a constant range of the last axis")
+    start, end = int(starts[0]), min(int(ends[0]), width)
+    return start % width if start < 0 else start, end % width if end < 0 else end
+
+
+def _match_linear(output: ir.Value) -> tuple[ir.Value, Weight]:
+    """MatMul(x, W) | MatMul(x, Transpose(W)) | Gemm(x, W, transB=1); returns (x, weight)."""
+    node = producer(output, "MatMul", "Gemm")
+    x, weight = node.inputs[0], node.inputs[1]
+    if node.op_type == "Gemm":
+        if len(node.inputs) > 2 or attr(node, "transA", 0) or attr(node, "alpha", 1.0) != 1.0:
+            raise NoMatch("Gemm with bias, transA or alpha is not a plain linear layer")
+        return x, _weight(weight, transposed=bool(attr(node, "transB", 0)))
+    transpose = maybe_producer(weight, "Transpose")
+    if transpose is not None:
+        if list(attr(transpose, "perm", [1, 0])) != [1, 0]:
+            raise NoMatch("weight Transpose is not a 2-D transpose")
+        return x, _weight(transpose.inputs[0], transposed=True)
+    return x, _weight(weight, transposed=False)
+
+
+def _weight(value: ir.Value, transposed: bool) -> Weight:
+    if not is_initializer(value) or len(value.const_value.shape) != 2:
+        raise NoMatch(f"linear weight {value.name} is not a 2-D initializer")
+    return Weight(value, transposed)

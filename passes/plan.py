@@ -1,0 +1,94 @@
+"""The fusion plan (DESIGN 2): parsed and validated against the block table before anything is written."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from passes.blocks import Block
+from passes.errors import UserError
+
+NORM_MODES = ("last", "fold")
+PLAN_KEYS = {"groups", "norm"}
+
+
+@dataclass(frozen=True)
+class Plan:
+    groups: tuple[tuple[int, int], ...] = field(default_factory=tuple)
+    norm: str = "last"
+
+    def to_json(self) -> str:
+        return json.dumps({"groups": [list(g) for g in self.groups], "norm": self.norm}, sort_keys=True)
+
+    @property
+    def removed_ffns(self) -> int:
+        """FFN sub-blocks (and so tensor-parallel all-reduces) a fused model has fewer of."""
+        return sum(j - i for i, j in self.groups)
+
+
+def parse_plan(data: object, source: str = "plan") -> Plan:
+    """A Plan from decoded JSON; checks its form (not yet the model)."""
+    if not isinstance(data, dict):
+        raise UserError(f'{source}: expected a JSON object like {{"groups": [[42, 50]], "norm": "last"}}')
+    unknown = sorted(set(data) - PLAN_KEYS)
+    if unknown:
+        raise UserError(f"{source}: unknown key(s) {', '.join(map(repr, unknown))}; allowed: groups, norm")
+    norm = data.get("norm", "last")
+    if norm not in NORM_MODES:
+        raise UserError(f'{source}: unknown norm mode {norm!r}; use "last" (the paper\'s) or "fold"')
+    groups = data.get("groups", [])
+    if not isinstance(groups, list):
+        raise UserError(f"{source}: groups must be a list of [first, last] block indices")
+    return Plan(tuple(_parse_group(g, source) for g in groups), norm)
+
+
+def _parse_group(group: object, source: str) -> tuple[int, int]:
+    if not (isinstance(group, list) and len(group) == 2 and all(type(i) is int for i in group)):
+        raise UserError(f"{source}: group {json.dumps(group)} must be [first, last], two integers")
+    first, last = group
+    if first == last:
+        raise UserError(f"{source}: group [{first}, {last}] has a single block; a group fuses at least two")
+    if first > last:
+        raise UserError(f"{source}: group [{first}, {last}] is reversed; write [{last}, {first}]")
+    return first, last
+
+
+def load_plan(path: str | Path) -> Plan:
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"plan {path} does not exist")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"plan {path} is not valid JSON ({exc})") from None
+    return parse_plan(data, source=f"plan {path}")
+
+
+def validate_plan(plan: Plan, blocks: list[Block]) -> None:
+    """Check the plan against the model: in range, no overlap, no attention inside a group, same dtype."""
+    previous: tuple[int, int] | None = None
+    for first, last in sorted(plan.groups):
+        if first < 0 or last >= len(blocks):
+            raise UserError(
+                f"group [{first}, {last}] is out of range: the model has blocks 0..{len(blocks) - 1}"
+            )
+        if previous is not None and first <= previous[1]:
+            raise UserError(f"groups [{previous[0]}, {previous[1]}] and [{first}, {last}] overlap")
+        previous = (first, last)
+        group = blocks[first : last + 1]
+        for block in group[1:]:
+            if block.attention:
+                raise UserError(
+                    f"group [{first}, {last}] spans attention: block {block.index} has attention "
+                    f"(only the first block of a group may have it)"
+                )
+        unweighted = [b.index for b in group if b.norm.weight is None]
+        if unweighted:
+            raise UserError(f"block {unweighted[0]} has an RMSNorm without weight (already fused?); cannot refuse it")
+        dtypes = {b.dtype for b in group}
+        if len(dtypes) > 1:
+            raise UserError(f"group [{first}, {last}] mixes weight dtypes {sorted(d.name for d in dtypes)}")
+        epsilons = {b.norm.eps for b in group}
+        if plan.norm == "fold" and len(epsilons) > 1:
+            raise UserError(f'group [{first}, {last}] has different RMSNorm epsilons; use "norm": "last"')
