@@ -15,7 +15,15 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-NORMS = ("pow_reciprocal", "mul_div", "pow_rsqrt", "cast_fp32", "rmsnorm_op", "simplified_ln", "skip_simplified_ln")
+NORMS = (
+    "pow_reciprocal",
+    "mul_div",
+    "pow_rsqrt",
+    "cast_fp32",
+    "rmsnorm_op",
+    "simplified_ln",
+    "skip_simplified_ln",
+)
 FFNS = ("matmul", "matmul_swapped", "transpose", "gemm", "gate_up_split", "gate_up_slice")
 DTYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
 
@@ -48,7 +56,9 @@ class _Builder:
 
     def node(self, op: str, inputs: list[str], n_out: int = 1, domain: str = "", **attrs) -> list[str]:
         outputs = [self.name(op.lower()) for _ in range(n_out)]
-        self.nodes.append(helper.make_node(op, inputs, outputs, name=self.name("node"), domain=domain, **attrs))
+        self.nodes.append(
+            helper.make_node(op, inputs, outputs, name=self.name("node"), domain=domain, **attrs)
+        )
         return outputs
 
     def const(self, array: np.ndarray, base: str = "c") -> str:
@@ -66,7 +76,11 @@ class _Builder:
                 f.write(raw)
             tensor.ClearField("raw_data")
             tensor.data_location = TensorProto.EXTERNAL
-            for key, value in (("location", self.data_path.name), ("offset", self.offset), ("length", len(raw))):
+            for key, value in (
+                ("location", self.data_path.name),
+                ("offset", self.offset),
+                ("length", len(raw)),
+            ):
                 tensor.external_data.add(key=key, value=str(value))
             self.offset += len(raw)
         self.inits.append(tensor)
@@ -86,7 +100,11 @@ class _Builder:
             return self.node("SimplifiedLayerNormalization", [x, w], axis=-1, epsilon=spec.eps)[0]
         fp32 = spec.norm == "cast_fp32" or spec.dtype != "float32"
         h = self.cast(x, TensorProto.FLOAT) if fp32 else x
-        square = self.node("Mul", [h, h])[0] if spec.norm == "mul_div" else self.node("Pow", [h, self.scalar(2.0)])[0]
+        square = (
+            self.node("Mul", [h, h])[0]
+            if spec.norm == "mul_div"
+            else self.node("Pow", [h, self.scalar(2.0)])[0]
+        )
         if spec.opset >= 18:
             mean = self.node("ReduceMean", [square, self.const(np.array([-1], np.int64))], keepdims=1)[0]
         else:
@@ -117,7 +135,9 @@ class _Builder:
         if kind.startswith("gate_up"):
             fused = self.linear(z, hidden, 2 * width, "gate_up", scale_in)
             if kind == "gate_up_split":
-                gate, up = self.node("Split", [fused, self.const(np.array([width, width], np.int64))], 2, axis=-1)
+                gate, up = self.node(
+                    "Split", [fused, self.const(np.array([width, width], np.int64))], 2, axis=-1
+                )
             else:
                 axes = self.const(np.array([-1], np.int64))
                 bounds = [np.array([b], np.int64) for b in (0, width, 2**62)]
@@ -140,7 +160,9 @@ class _Builder:
         scores = self.node("MatMul", [q, self.node("Transpose", [k], perm=perm)[0]])[0]
         scores = self.node("Mul", [scores, self.cast(self.scalar(h**-0.5), self.elem)])[0]
         probs = self.node("Softmax", [scores], axis=-1)[0]
-        return self.linear(self.node("MatMul", [probs, v])[0], h, h, "o", (2 * h * len(self.spec.blocks)) ** -0.5)
+        return self.linear(
+            self.node("MatMul", [probs, v])[0], h, h, "o", (2 * h * len(self.spec.blocks)) ** -0.5
+        )
 
 
 def build_synthetic(spec: SyntheticSpec, path: str | Path, external: bool = False) -> Path:
@@ -152,7 +174,11 @@ def build_synthetic(spec: SyntheticSpec, path: str | Path, external: bool = Fals
     stream = b.node("Gather", [b.weight((spec.vocab, spec.hidden), 1.0, "embed"), "input_ids"])[0]
     skip = spec.norm == "skip_simplified_ln"
     if skip:
-        z = b.node("SimplifiedLayerNormalization", [stream, b.weight((spec.hidden,), 0.1, "nw", 1.0)], epsilon=spec.eps)[0]
+        z = b.node(
+            "SimplifiedLayerNormalization",
+            [stream, b.weight((spec.hidden,), 0.1, "nw", 1.0)],
+            epsilon=spec.eps,
+        )[0]
     for attention, width in spec.blocks:
         if attention and skip:
             raise ValueError("skip_simplified_ln synthetic models have no attention")
@@ -162,7 +188,11 @@ def build_synthetic(spec: SyntheticSpec, path: str | Path, external: bool = Fals
             out = b.swiglu(z, width, len(spec.blocks))
             w = b.weight((spec.hidden,), 0.1, "nw", 1.0)
             z, _, _, stream = b.node(
-                "SkipSimplifiedLayerNormalization", [out, stream, w], 4, domain="com.microsoft", epsilon=spec.eps
+                "SkipSimplifiedLayerNormalization",
+                [out, stream, w],
+                4,
+                domain="com.microsoft",
+                epsilon=spec.eps,
             )
         else:
             stream = b.node("Add", [stream, b.swiglu(b.rmsnorm(stream), width, len(spec.blocks))])[0]
@@ -186,5 +216,7 @@ def _typed_tensor(array: np.ndarray, elem: int, name: str) -> TensorProto:
     if elem == TensorProto.FLOAT16:
         return numpy_helper.from_array(array.astype(np.float16), name)
     bits = (array.view(np.uint32) + 0x8000) >> 16  # round to nearest bfloat16
-    tensor = helper.make_tensor(name, TensorProto.BFLOAT16, array.shape, bits.astype(np.uint16).tobytes(), raw=True)
+    tensor = helper.make_tensor(
+        name, TensorProto.BFLOAT16, array.shape, bits.astype(np.uint16).tobytes(), raw=True
+    )
     return tensor

@@ -123,9 +123,10 @@ def _embedding_output(graph: ir.Graph) -> ir.Value:
     """The output of the token-embedding Gather (weight initializer, indices from a graph input)."""
     inputs = set(graph.inputs)
     for node in graph:
-        if node.op_type == "Gather" and is_initializer(node.inputs[0]) and len(node.inputs[0].shape) == 2:
-            if strip_cast(node.inputs[1]) in inputs:
-                return node.outputs[0]
+        if node.op_type != "Gather" or not is_initializer(node.inputs[0]):
+            continue
+        if len(node.inputs[0].shape) == 2 and strip_cast(node.inputs[1]) in inputs:
+            return node.outputs[0]
     raise UserError("no token embedding found: expected Gather(embedding weight, input_ids)")
 
 
@@ -134,7 +135,7 @@ def _residual_add(stream: ir.Value) -> ResidualAdd | None:
     candidates = []
     for use in stream.uses():
         node, slot = use.node, use.idx
-        if node.op_type == "Add" and slot in (0, 1) or node.op_type == "SkipSimplifiedLayerNormalization" and slot in (0, 1):
+        if node.op_type in ("Add", "SkipSimplifiedLayerNormalization") and slot in (0, 1):
             candidates.append(ResidualAdd(node, slot, 1 - slot))
     # The residual add's branch ends in a projection; other adds of the stream do not.
     ending_in_linear = [c for c in candidates if _branch_op(c) in ("MatMul", "Gemm")]

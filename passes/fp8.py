@@ -413,7 +413,10 @@ class _Rewriter:
         s_name = self.name(f"{base}_fp8_scale")
         s = _initializer(self.graph, s_name, ir.Tensor(scale.astype(dtype.numpy()), dtype=dtype, name=s_name))
         node = ir.node(
-            "DequantizeLinear", [q, s], {"axis": 1}, name=self.name(f"{base}_DequantizeLinear"),
+            "DequantizeLinear",
+            [q, s],
+            {"axis": 1},
+            name=self.name(f"{base}_DequantizeLinear"),
         )
         node.outputs[0].name = self.name(f"{base}_dq")
         node.outputs[0].dtype = dtype

@@ -74,7 +74,9 @@ def _shared_norm(
     if norm.unscaled is not None:
         return norm.unscaled, row_scales
     scale = strip_cast(norm.weight).const_value
-    ones = ir.Value(name=f"{prefix}.norm_ones", const_value=ir.tensor(np.ones(scale.shape, scale.dtype.numpy())))
+    ones = ir.Value(
+        name=f"{prefix}.norm_ones", const_value=ir.tensor(np.ones(scale.shape, scale.dtype.numpy()))
+    )
     graph.register_initializer(ones)
     node.replace_input_with(slot, ones)
     return norm.output, row_scales
@@ -84,14 +86,19 @@ def _initializer(
     graph: ir.Graph, name: str, weights: list[Weight], axis: int, row_scales: list[ir.Value] | None
 ) -> ir.Value:
     rows, cols = weights[0].shape
-    shape = (rows, sum(w.shape[1] for w in weights)) if axis == 1 else (sum(w.shape[0] for w in weights), cols)
+    shape = (
+        (rows, sum(w.shape[1] for w in weights)) if axis == 1 else (sum(w.shape[0] for w in weights), cols)
+    )
     dtype = weights[0].dtype
 
     def concatenate() -> ir.TensorProtocol:
         parts = [w.matrix() for w in weights]
         if row_scales is not None:
             scales = [s.const_value.numpy().astype(np.float32) for s in row_scales]
-            parts = [(p.astype(np.float32) * s[:, None]).astype(p.dtype) for p, s in zip(parts, scales)]
+            parts = [
+                (p.astype(np.float32) * s[:, None]).astype(p.dtype)
+                for p, s in zip(parts, scales, strict=True)
+            ]
         fused = np.concatenate(parts, axis=axis)
         del parts
         for w in weights:

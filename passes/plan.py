@@ -85,7 +85,9 @@ def validate_plan(plan: Plan, blocks: list[Block]) -> None:
                 )
         unweighted = [b.index for b in group if b.norm.weight is None]
         if unweighted:
-            raise UserError(f"block {unweighted[0]} has an RMSNorm without weight (already fused?); cannot refuse it")
+            raise UserError(
+                f"block {unweighted[0]} has an RMSNorm without weight (already fused?); cannot fuse it"
+            )
         dtypes = {b.dtype for b in group}
         if len(dtypes) > 1:
             raise UserError(f"group [{first}, {last}] mixes weight dtypes {sorted(d.name for d in dtypes)}")
