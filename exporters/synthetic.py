@@ -170,7 +170,8 @@ def build_synthetic(spec: SyntheticSpec, path: str | Path, external: bool = Fals
     path = Path(path)
     b = _Builder(spec, path.with_name(path.name + ".data") if external else None)
     flat = spec.ffn == "gemm"  # Gemm takes 2-D inputs: the whole stream is [tokens, hidden]
-    ids = helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["seq"] if flat else ["batch", "seq"])
+    ids_dims = ["seq"] if flat else ["batch", "seq"]
+    ids = helper.make_tensor_value_info("input_ids", TensorProto.INT64, ids_dims)
     stream = b.node("Gather", [b.weight((spec.vocab, spec.hidden), 1.0, "embed"), "input_ids"])[0]
     skip = spec.norm == "skip_simplified_ln"
     if skip:
@@ -201,7 +202,7 @@ def build_synthetic(spec: SyntheticSpec, path: str | Path, external: bool = Fals
     if spec.dtype != "float32":
         logits = b.cast(logits, TensorProto.FLOAT)
     b.nodes[-1].output[0] = "logits"
-    out = helper.make_tensor_value_info("logits", TensorProto.FLOAT, None)
+    out = helper.make_tensor_value_info("logits", TensorProto.FLOAT, [*ids_dims, spec.vocab])
     graph = helper.make_graph(b.nodes, "synthetic_decoder", [ids], [out], initializer=b.inits)
     opsets = [helper.make_opsetid("", spec.opset), helper.make_opsetid("com.microsoft", 1)]
     model = helper.make_model(graph, opset_imports=opsets, producer_name="ffn-fusion synthetic")

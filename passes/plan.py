@@ -92,5 +92,5 @@ def validate_plan(plan: Plan, blocks: list[Block]) -> None:
         if len(dtypes) > 1:
             raise UserError(f"group [{first}, {last}] mixes weight dtypes {sorted(d.name for d in dtypes)}")
         epsilons = {b.norm.eps for b in group}
-        if plan.norm == "fold" and len(epsilons) > 1:
-            raise UserError(f'group [{first}, {last}] has different RMSNorm epsilons; use "norm": "last"')
+        if len(epsilons) > 1:
+            raise UserError(f"group [{first}, {last}] mixes RMSNorm epsilons {sorted(epsilons)}")

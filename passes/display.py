@@ -1,0 +1,27 @@
+"""Human-readable block tables: attention-free runs visible at a glance."""
+
+from __future__ import annotations
+
+from passes.blocks import Block, attention_free_runs
+
+
+def stream_map(blocks: list[Block]) -> str:
+    """One character per block: A has attention, - is attention-free."""
+    return "".join("A" if b.attention else "-" for b in blocks)
+
+
+def format_runs(blocks: list[Block]) -> str:
+    runs = [f"{i}-{j} ({j - i + 1} blocks)" for i, j in attention_free_runs(blocks) if j > i]
+    return ", ".join(runs) if runs else "none"
+
+
+def format_block_table(blocks: list[Block]) -> str:
+    lines = [f"{'block':>5}  {'attn':<4}  {'ffn_width':>9}  {'dtype':<8}  {'norm':<13}  layer"]
+    for b in blocks:
+        lines.append(
+            f"{b.index:>5}  {'A' if b.attention else '-':<4}  {b.width:>9}  {b.dtype.name.lower():<8}  "
+            f"{b.norm.kind:<13}  {b.layer_name or ''}"
+        )
+    lines.append(f"stream: {stream_map(blocks)}")
+    lines.append(f"attention-free runs: {format_runs(blocks)}")
+    return "\n".join(lines)

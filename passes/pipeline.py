@@ -1,0 +1,74 @@
+"""The main job, start to finish: load, validate the plan, fuse, save atomically, check by numbers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from passes.blocks import Block, find_blocks
+from passes.errors import UserError
+from passes.fuse import FuseFFNGroups
+from passes.model_io import (
+    EXTERNAL_DATA_THRESHOLD,
+    commit_output,
+    has_external_data,
+    load_model,
+    save_model,
+    staged_output,
+    weight_bytes,
+)
+from passes.plan import Plan, validate_plan
+from passes.validate import ValidationError, ValidationReport, validate
+
+
+@dataclass
+class FuseResult:
+    output: Path
+    blocks_before: list[Block]
+    blocks_after: int
+    nodes_before: int
+    nodes_after: int
+    external_data: bool
+    report: ValidationReport | None
+
+
+def default_output(model_path: Path) -> Path:
+    return model_path.with_name(model_path.name.removesuffix(".onnx") + ".fused.onnx")
+
+
+def fuse_file(
+    model_path: Path,
+    plan: Plan,
+    output: Path | None = None,
+    validate_output: bool = True,
+    tokens: np.ndarray | None = None,
+    log: Callable[[str], None] = lambda message: None,
+) -> FuseResult:
+    model_path = Path(model_path)
+    output = Path(output) if output is not None else default_output(model_path)
+    if output.resolve() == model_path.resolve():
+        raise UserError(f"output {output} is the input model; choose another path with -o")
+    model = load_model(model_path)
+    blocks = find_blocks(model)
+    validate_plan(plan, blocks)
+    nodes_before = len(model.graph)
+    log(f"fusing {len(plan.groups)} group(s) of {len(blocks)} blocks, norm={plan.norm}")
+    FuseFFNGroups(plan)(model)
+    external = has_external_data(model_path) or weight_bytes(model) > EXTERNAL_DATA_THRESHOLD
+    with staged_output(output) as staging:
+        staged = staging / output.name
+        log(f"writing {output}" + (f" (+ {output.name}.data)" if external else ""))
+        save_model(model, staged, external)
+        report = None
+        if validate_output:
+            log("validating with ONNX Runtime against the original and the parallel-sum reference")
+            report = validate(model_path, staged, plan, tokens)
+            if not report.ok:
+                raise ValidationError("; ".join(report.lines()) + " -- fused model not written")
+        commit_output(staged, output)
+    return FuseResult(
+        output, blocks, len(blocks) - plan.removed_ffns, nodes_before, len(model.graph), external, report
+    )

@@ -1,0 +1,189 @@
+"""Checks of a fused model by numbers: against the original, and against the parallel-sum reference.
+
+- structure: onnx.checker and shape inference (the path-based forms, which work above 2 GB);
+- end to end: ONNX Runtime runs original and fused on a short input; logits relative error and cosine
+  (fusion is an approximation: these are reported, not bounded);
+- exactness: each fused group's output, given the input the fused model fed it, must equal the numpy
+  parallel sum of the original FFNs (passes/reference.py) to `tolerance`.
+When the model is too large to run whole, each fused group is checked on its own subgraph with a
+random input instead, so memory stays near one group's weights.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from passes.blocks import Block, find_blocks
+from passes.errors import UserError
+from passes.fuse import PLAN_METADATA_KEY
+from passes.model_io import load_model, load_proto, weight_bytes
+from passes.plan import Plan, parse_plan
+from passes.reference import parallel_sum
+
+# Above this many weight bytes the whole-model run is replaced by per-group subgraph checks.
+WHOLE_MODEL_LIMIT = 3 << 30
+
+
+class ValidationError(UserError):
+    """The fused model does not compute what the plan says."""
+
+
+@dataclass
+class GroupCheck:
+    group: tuple[int, int]
+    rel_error: float  # ||fused - reference|| / ||reference - input||: error relative to the FFN sum
+
+
+@dataclass
+class ValidationReport:
+    mode: str  # "whole model" or "per group"
+    groups: list[GroupCheck] = field(default_factory=list)
+    logits_rel_error: float | None = None
+    logits_cosine: float | None = None
+    tolerance: float = 1e-5
+
+    @property
+    def ok(self) -> bool:
+        return all(g.rel_error <= self.tolerance for g in self.groups)
+
+    def lines(self) -> list[str]:
+        out = []
+        if self.logits_rel_error is not None:
+            out.append(
+                f"logits vs original: relative error {self.logits_rel_error:.4g}, "
+                f"cosine {self.logits_cosine:.6f}"
+            )
+        for g in self.groups:
+            verdict = "ok" if g.rel_error <= self.tolerance else "MISMATCH"
+            out.append(
+                f"group {list(g.group)} vs parallel-sum reference ({self.mode}): "
+                f"relative error {g.rel_error:.3g} (<= {self.tolerance:g}) {verdict}"
+            )
+        return out
+
+
+def check_structure(path: Path) -> None:
+    """onnx.checker and strict shape inference, by path so that models above 2 GB work."""
+    try:
+        onnx.checker.check_model(str(path))
+        with tempfile.TemporaryDirectory() as tmp:
+            onnx.shape_inference.infer_shapes_path(
+                str(path), str(Path(tmp) / "inferred.onnx"), strict_mode=True
+            )
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
+        raise ValidationError(f"{path} fails the ONNX checker: {str(exc).splitlines()[0]}") from None
+
+
+def plan_from_metadata(path: Path) -> Plan:
+    props = {p.key: p.value for p in load_proto(path).metadata_props}
+    if PLAN_METADATA_KEY not in props:
+        raise UserError(f"{path} has no {PLAN_METADATA_KEY} metadata: it was not written by fuse_onnx.py")
+    return parse_plan(json.loads(props[PLAN_METADATA_KEY]), source=f"{path} metadata")
+
+
+def validate(
+    original: Path, fused: Path, plan: Plan, tokens: np.ndarray | None = None, tolerance: float = 1e-5
+) -> ValidationReport:
+    check_structure(fused)
+    original_blocks = find_blocks(load_model(original))
+    fused_model = load_model(fused)
+    fused_blocks = find_blocks(fused_model)
+    expected = len(original_blocks) - plan.removed_ffns
+    if len(fused_blocks) != expected:
+        raise ValidationError(f"fused model has {len(fused_blocks)} blocks, the plan gives {expected}")
+    pairs = [(g, original_blocks[g[0] : g[1] + 1], fused_blocks[_fused_index(plan, g)]) for g in plan.groups]
+    for (first, last), group, block in pairs:
+        if block.width != sum(b.width for b in group):
+            raise ValidationError(f"fused block for group [{first}, {last}] has width {block.width}")
+    if weight_bytes(fused_model) > WHOLE_MODEL_LIMIT:
+        report = ValidationReport("per group", tolerance=tolerance)
+        report.groups = [_check_group_alone(fused, g, group, block, plan.norm) for g, group, block in pairs]
+    else:
+        report = _check_whole_model(original, fused, pairs, plan.norm, tokens, original_blocks)
+        report.tolerance = tolerance
+    return report
+
+
+def _fused_index(plan: Plan, group: tuple[int, int]) -> int:
+    return group[0] - sum(j - i for i, j in plan.groups if j < group[0])
+
+
+def default_tokens(blocks: list[Block], length: int = 16) -> np.ndarray:
+    vocab = _vocab_size(blocks)
+    return np.random.default_rng(0).integers(0, vocab, size=(1, length), dtype=np.int64)
+
+
+def _vocab_size(blocks: list[Block]) -> int:
+    embedding = blocks[0].block_input.producer()  # the token-embedding Gather
+    return int(embedding.inputs[0].shape[0])
+
+
+def _session(proto: onnx.ModelProto, folder: Path) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
+    return ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def _with_outputs(path: Path, names: list[str]) -> onnx.ModelProto:
+    proto = load_proto(path)
+    proto.graph.output.extend(
+        onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None) for n in names
+    )
+    return proto
+
+
+def _input_feed(proto: onnx.ModelProto, tokens: np.ndarray) -> dict[str, np.ndarray]:
+    rank = len(proto.graph.input[0].type.tensor_type.shape.dim)
+    return {proto.graph.input[0].name: tokens.reshape(-1) if rank == 1 else tokens}
+
+
+def _check_whole_model(original, fused, pairs, mode, tokens, original_blocks) -> ValidationReport:
+    tokens = default_tokens(original_blocks) if tokens is None else tokens
+    base = load_proto(original)
+    reference_logits = _session(base, original.parent).run(None, _input_feed(base, tokens))[0]
+    names = [n for _, _, b in pairs for n in (b.ffn_input.name, b.residual.output.name)]
+    proto = _with_outputs(fused, names)
+    outputs = _session(proto, fused.parent).run(None, _input_feed(proto, tokens))
+    logits, streams = outputs[0], outputs[len(outputs) - len(names) :]
+    report = ValidationReport("whole model")
+    report.logits_rel_error, report.logits_cosine = (
+        relative_error(logits, reference_logits),
+        cosine(logits, reference_logits),
+    )
+    for index, (group_range, group, _) in enumerate(pairs):
+        x, y = streams[2 * index], streams[2 * index + 1]
+        report.groups.append(GroupCheck(group_range, _contribution_error(x, y, parallel_sum(x, group, mode))))
+    return report
+
+
+def _check_group_alone(fused: Path, group_range, group: list[Block], block: Block, mode: str) -> GroupCheck:
+    """Run only the fused group's subgraph (its weights, nothing else) on a random stream."""
+    x_name, y_name = block.ffn_input.name, block.residual.output.name
+    proto = load_proto(fused)
+    sub = onnx.utils.Extractor(proto).extract_model([x_name], [y_name])
+    hidden = group[0].ffn.gate.shape[0]
+    rank = block.ffn_input.shape.rank() if block.ffn_input.shape is not None else 3
+    x = np.random.default_rng(0).standard_normal((1, 8, hidden)[3 - rank :]).astype(np.float32)
+    (y,) = _session(sub, fused.parent).run(None, {x_name: x})
+    return GroupCheck(group_range, _contribution_error(x, y, parallel_sum(x, group, mode)))
+
+
+def _contribution_error(x: np.ndarray, fused: np.ndarray, reference: np.ndarray) -> float:
+    return float(np.linalg.norm(fused - reference) / max(np.linalg.norm(reference - x), 1e-30))
+
+
+def relative_error(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a.astype(np.float64) - b) / max(np.linalg.norm(b.astype(np.float64)), 1e-30))
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = a.astype(np.float64).reshape(-1), b.astype(np.float64).reshape(-1)
+    return float(a @ b / max(np.linalg.norm(a) * np.linalg.norm(b), 1e-30))

@@ -1,0 +1,118 @@
+"""FFN Fusion on an exported ONNX decoder: fuse each planned group of FFN blocks into one wide SwiGLU."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from passes.blocks import find_blocks
+from passes.display import format_block_table
+from passes.errors import UserError, run_cli
+from passes.model_io import load_model
+from passes.pipeline import fuse_file
+from passes.plan import load_plan
+from passes.validate import plan_from_metadata, validate
+
+EPILOG = """\
+examples:
+  fuse_onnx.py model.onnx --show-blocks          print the block table (add --json for machines)
+  fuse_onnx.py model.onnx plan.json              write model.fused.onnx beside the input, validated
+  fuse_onnx.py --verify model.onnx model.fused.onnx   re-check a fused model (exit 1 on mismatch)
+
+plan.json: {"groups": [[13, 17], [18, 21]], "norm": "last"}   (block indices, inclusive;
+  blocks i+1..j of a group must have no attention; norm "last" (paper) or "fold")
+"""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="fuse_onnx.py",
+        description=__doc__,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("model", type=Path, help="ONNX model (external data beside it is read in place)")
+    parser.add_argument("plan", type=Path, nargs="?", help="plan.json with the groups to fuse")
+    parser.add_argument(
+        "-o", "--output", type=Path, help="output path (default: MODEL.fused.onnx beside the input)"
+    )
+    parser.add_argument("--no-validate", action="store_true", help="skip the checker and the numeric checks")
+    parser.add_argument("--show-blocks", action="store_true", help="print the block table and exit")
+    parser.add_argument(
+        "--json", action="store_true", help="machine-readable output (with --show-blocks/--verify)"
+    )
+    parser.add_argument(
+        "--verify",
+        type=Path,
+        metavar="FUSED",
+        help="re-check FUSED against MODEL using the plan in its metadata",
+    )
+    args = parser.parse_args(argv)
+    if not (args.show_blocks or args.verify) and args.plan is None:
+        parser.error("a plan.json is required (or --show-blocks / --verify FUSED)")
+    return args
+
+
+def show_blocks(args: argparse.Namespace) -> int:
+    blocks = find_blocks(load_model(args.model))
+    if args.json:
+        print(json.dumps({"blocks": [b.row() for b in blocks]}, indent=1))
+    else:
+        print(format_block_table(blocks))
+    return 0
+
+
+def verify(args: argparse.Namespace) -> int:
+    plan = plan_from_metadata(args.verify)
+    report = validate(args.model, args.verify, plan)
+    if args.json:
+        print(json.dumps({"ok": report.ok, "plan": json.loads(plan.to_json()), "checks": report.lines()}))
+    else:
+        print("\n".join(report.lines()))
+        print("verified" if report.ok else "MISMATCH")
+    return 0 if report.ok else 1
+
+
+def fuse(args: argparse.Namespace) -> int:
+    start = time.perf_counter()
+    plan = load_plan(args.plan)
+    result = fuse_file(
+        args.model,
+        plan,
+        args.output,
+        validate_output=not args.no_validate,
+        log=lambda m: print(m, file=sys.stderr),
+    )
+    groups = (
+        ", ".join(
+            f"[{i}, {j}] ({j - i + 1} FFNs, width {sum(b.width for b in result.blocks_before[i : j + 1])})"
+            for i, j in plan.groups
+        )
+        or "none (empty plan)"
+    )
+    print(f"fused groups: {groups}")
+    print(
+        f"blocks: {len(result.blocks_before)} -> {result.blocks_after}; nodes: {result.nodes_before} -> {result.nodes_after}"
+    )
+    if result.report is not None:
+        print("\n".join(result.report.lines()))
+    print(f"wrote {result.output} in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+def main() -> int:
+    args = parse_args()
+    if args.verify:
+        return verify(args)
+    if args.show_blocks:
+        return show_blocks(args)
+    if not args.plan:
+        raise UserError("a plan.json is required")
+    return fuse(args)
+
+
+if __name__ == "__main__":
+    run_cli(main)
