@@ -94,9 +94,8 @@ def fuse(args: argparse.Namespace) -> int:
         or "none (empty plan)"
     )
     print(f"fused groups: {groups}")
-    print(
-        f"blocks: {len(result.blocks_before)} -> {result.blocks_after}; nodes: {result.nodes_before} -> {result.nodes_after}"
-    )
+    print(f"blocks: {len(result.blocks_before)} -> {result.blocks_after}")
+    print(f"nodes: {result.nodes_before} -> {result.nodes_after}")
     if result.report is not None:
         print("\n".join(result.report.lines()))
     print(f"wrote {result.output} in {time.perf_counter() - start:.1f} s")
