@@ -1,0 +1,88 @@
+"""The rewrite: Theorem 3.1 as a property, exactness against the reference, empty plans, determinism."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import onnxruntime as ort
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from exporters.synthetic import SyntheticSpec, build_synthetic
+from passes.blocks import find_blocks
+from passes.fuse import PLAN_METADATA_KEY
+from passes.model_io import load_model, load_proto
+from passes.pipeline import fuse_file
+from passes.plan import Plan
+from passes.reference import swiglu
+
+SPEC = SyntheticSpec(blocks=[(True, 48), (False, 64), (False, 40), (True, 32), (False, 56), (False, 24)])
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    hidden=st.integers(1, 24),
+    widths=st.lists(st.integers(1, 40), min_size=2, max_size=5),
+    tokens=st.integers(1, 6),
+    seed=st.integers(0, 2**31),
+)
+def test_theorem_3_1_wide_ffn_equals_sum_of_ffns(hidden, widths, tokens, seed):
+    rng = np.random.default_rng(seed)
+    z = rng.standard_normal((tokens, hidden))
+    ffns = [
+        (rng.standard_normal((hidden, w)), rng.standard_normal((hidden, w)), rng.standard_normal((w, hidden)))
+        for w in widths
+    ]
+    summed = sum(swiglu(z, *ffn) for ffn in ffns)
+    wide = swiglu(z, *(np.concatenate([f[k] for f in ffns], axis=1 if k < 2 else 0) for k in range(3)))
+    np.testing.assert_allclose(wide, summed, rtol=1e-10, atol=1e-10)
+
+
+def _logits(path):
+    return ort.InferenceSession(str(path)).run(None, {"input_ids": np.arange(12).reshape(1, 12)})[0]
+
+
+def test_empty_plan_gives_bit_identical_logits(tmp_path):
+    path = build_synthetic(SPEC, tmp_path / "model.onnx")
+    out = fuse_file(path, Plan((), "last"), tmp_path / "fused.onnx").output
+    assert np.array_equal(_logits(path), _logits(out))
+    assert {p.key: p.value for p in load_proto(out).metadata_props}[
+        PLAN_METADATA_KEY
+    ] == '{"groups": [], "norm": "last"}'
+
+
+def test_two_groups_fuse_exactly_and_shrink_the_graph(tmp_path):
+    path = build_synthetic(SPEC, tmp_path / "model.onnx")
+    for mode in ("last", "fold"):
+        result = fuse_file(path, Plan(((0, 2), (3, 5)), mode), tmp_path / f"{mode}.onnx")
+        assert result.report.ok and all(g.rel_error < 1e-5 for g in result.report.groups)
+        assert result.nodes_after < result.nodes_before
+        fused = find_blocks(load_model(result.output))
+        assert [(b.attention, b.width) for b in fused] == [(True, 152), (True, 112)]
+        assert 0.9 < result.report.logits_cosine < 1.0  # an approximation, not a no-op
+
+
+def test_fold_and_last_differ_when_norm_weights_differ(tmp_path):
+    path = build_synthetic(SPEC, tmp_path / "model.onnx")
+    last = fuse_file(path, Plan(((0, 2),), "last"), tmp_path / "last.onnx").output
+    fold = fuse_file(path, Plan(((0, 2),), "fold"), tmp_path / "fold.onnx").output
+    assert not np.allclose(_logits(last), _logits(fold))
+
+
+def test_same_model_and_plan_give_byte_identical_files(tmp_path):
+    path = build_synthetic(SPEC, tmp_path / "model.onnx")
+    digests = set()
+    for name in ("a", "b"):
+        out = fuse_file(
+            path, Plan(((1, 2), (3, 5)), "fold"), tmp_path / name / "fused.onnx", validate_output=False
+        )
+        digests.add(hashlib.sha256(out.output.read_bytes()).hexdigest())
+    assert len(digests) == 1
+
+
+def test_external_data_stays_beside_the_output(tmp_path):
+    path = build_synthetic(SPEC, tmp_path / "model.onnx", external=True)
+    result = fuse_file(path, Plan(((1, 2),), "last"), tmp_path / "out" / "fused.onnx")
+    assert result.external_data and result.report.ok
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["fused.onnx", "fused.onnx.data"]
