@@ -139,6 +139,7 @@ def _vocab_size(blocks: list[Block]) -> int:
 def _session(proto: onnx.ModelProto, folder: Path) -> ort.InferenceSession:
     options = ort.SessionOptions()
     options.log_severity_level = 3
+    options.add_session_config_entry("session.disable_prepacking", "1")  # no second copy of the weights
     options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
     return ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
@@ -178,13 +179,37 @@ def _check_whole_model(original, fused, pairs, mode, tokens, original_blocks) ->
 def _check_group_alone(fused: Path, group_range, group: list[Block], block: Block, mode: str) -> GroupCheck:
     """Run only the fused group's subgraph (its weights, nothing else) on a random stream."""
     x_name, y_name = block.ffn_input.name, block.residual.output.name
-    proto = load_proto(fused)
-    sub = onnx.utils.Extractor(proto).extract_model([x_name], [y_name])
     hidden = group[0].ffn.gate.shape[0]
     rank = block.ffn_input.shape.rank() if block.ffn_input.shape is not None else 3
+    sub = _subgraph(load_proto(fused), x_name, y_name, rank)
     x = np.random.default_rng(0).standard_normal((1, 8, hidden)[3 - rank :]).astype(np.float32)
     (y,) = _session(sub, fused.parent).run(None, {x_name: x})
     return GroupCheck(group_range, _contribution_error(x, y, parallel_sum(x, group, mode)))
+
+
+def _subgraph(proto: onnx.ModelProto, x_name: str, y_name: str, rank: int) -> onnx.ModelProto:
+    """The nodes between stream tensors x and y, with their initializers (external references kept)."""
+    producers = {out: node for node in proto.graph.node for out in node.output}
+    initializers = {t.name: t for t in proto.graph.initializer}
+    nodes, used, frontier = {}, set(), [y_name]
+    while frontier:
+        name = frontier.pop()
+        if name == x_name or name in used or name not in producers:
+            used.add(name)
+            continue
+        used.add(name)
+        node = producers[name]
+        nodes[id(node)] = node
+        frontier.extend(i for i in node.input if i)
+    order = [n for n in proto.graph.node if id(n) in nodes]
+    graph = onnx.helper.make_graph(
+        order,
+        "fused_group",
+        [onnx.helper.make_tensor_value_info(x_name, onnx.TensorProto.FLOAT, [None] * rank)],
+        [onnx.helper.make_tensor_value_info(y_name, onnx.TensorProto.FLOAT, None)],
+        initializer=[initializers[n] for n in sorted(used) if n in initializers],
+    )
+    return onnx.helper.make_model(graph, opset_imports=proto.opset_import, ir_version=proto.ir_version)
 
 
 def _contribution_error(x: np.ndarray, fused: np.ndarray, reference: np.ndarray) -> float:

@@ -86,3 +86,13 @@ def test_external_data_stays_beside_the_output(tmp_path):
     result = fuse_file(path, Plan(((1, 2),), "last"), tmp_path / "out" / "fused.onnx")
     assert result.external_data and result.report.ok
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["fused.onnx", "fused.onnx.data"]
+
+
+def test_large_models_are_checked_group_by_group(tmp_path, monkeypatch):
+    import passes.validate
+
+    monkeypatch.setattr(passes.validate, "WHOLE_MODEL_LIMIT", 0)
+    path = build_synthetic(SPEC, tmp_path / "model.onnx", external=True)
+    report = fuse_file(path, Plan(((0, 2), (3, 5)), "fold"), tmp_path / "fused.onnx").report
+    assert report.mode == "per group" and report.ok and len(report.groups) == 2
+    assert report.logits_rel_error is None
