@@ -12,37 +12,60 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from exporters.synthetic import SyntheticSpec, build_synthetic
 from passes.errors import run_cli
 
 TOOLS = Path(__file__).resolve().parent
 MB = 1 << 20
 
 
-def run_child(command: list[str]) -> tuple[float, int]:
-    """Wall seconds and peak RSS bytes of a child process."""
+# Runs a script in a fresh interpreter and prints its own peak RSS (VmHWM) last. (ru_maxrss from wait4
+# is no good here: Linux carries the parent's resident size at fork across exec into it.)
+PEAK_WRAPPER = """
+import runpy, sys
+script, sys.argv = sys.argv[1], sys.argv[1:]
+try:
+    runpy.run_path(script, run_name="__main__")
+except SystemExit as exc:
+    if exc.code:
+        raise
+finally:
+    hwm = [l for l in open("/proc/self/status") if l.startswith("VmHWM")][0].split()[1]
+    print(f"peak_rss_kb={hwm}", file=sys.stderr)
+"""
+
+
+BUILD = """
+import sys
+from exporters import synthetic
+hidden, ffn, blocks, path = sys.argv[1:]
+spec = synthetic.SyntheticSpec(hidden=int(hidden), vocab=256, blocks=[(False, int(ffn))] * int(blocks))
+synthetic.build_synthetic(spec, path, external=True)
+"""
+
+
+def run_child(script: Path | str, *args: object) -> tuple[float, int]:
+    """Wall seconds and peak RSS bytes of `script args` run in a fresh process."""
+    command = [sys.executable, "-c", PEAK_WRAPPER, str(script), *map(str, args)]
     start = time.perf_counter()
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(process.pid, 0)
+    result = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     seconds = time.perf_counter() - start
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"error: {' '.join(command)} failed: {process.stderr.read().decode()[-500:]}")
-    return seconds, usage.ru_maxrss * 1024
+    if result.returncode != 0:
+        raise SystemExit(f"error: {script} failed: {result.stderr[-500:]}")
+    peak_kb = int(result.stderr.rsplit("peak_rss_kb=", 1)[1].split()[0])
+    return seconds, peak_kb * 1024
 
 
 def copy_files(model: Path, target: Path) -> tuple[float, int]:
     target.mkdir()
-    code = "import shutil, sys; [shutil.copy(p, sys.argv[1]) for p in sys.argv[2:]]"
-    files = [str(model), str(model) + ".data"]
-    return run_child([sys.executable, "-c", code, str(target), *files])
+    script = target.parent / "copy.py"
+    script.write_text("import shutil, sys\nfor p in sys.argv[2:]:\n    shutil.copy(p, sys.argv[1])\n")
+    return run_child(script, target, model, f"{model}.data")
 
 
 def parse_args() -> argparse.Namespace:
@@ -59,12 +82,13 @@ def parse_args() -> argparse.Namespace:
 
 
 def bench(args: argparse.Namespace, work: Path) -> dict:
-    spec = SyntheticSpec(hidden=args.hidden, vocab=256, blocks=[(False, args.ffn)] * args.blocks)
     print(
         f"building {args.blocks} blocks, hidden {args.hidden}, FFN {args.ffn} (fp32, external data) ...",
         file=sys.stderr,
     )
-    model = build_synthetic(spec, work / "model.onnx", external=True)
+    model = work / "model.onnx"
+    build = [sys.executable, "-c", BUILD, str(args.hidden), str(args.ffn), str(args.blocks), str(model)]
+    subprocess.run(build, check=True)  # in a child, so that this process stays small
     model_bytes = model.stat().st_size + Path(str(model) + ".data").stat().st_size
     groups = [[i, min(i + args.group, args.blocks) - 1] for i in range(0, args.blocks, args.group)]
     plan = work / "plan.json"
@@ -77,13 +101,12 @@ def bench(args: argparse.Namespace, work: Path) -> dict:
     }
     print("copying the model's files ...", file=sys.stderr)
     results["copy_s"], results["copy_peak_rss"] = copy_files(model, work / "copy")
-    fuse = [sys.executable, str(TOOLS / "fuse_onnx.py"), str(model), str(plan)]
-    for name, extra in (
-        ("fuse", ["--no-validate", "-o", str(work / "a.onnx")]),
-        ("fuse_validate", ["-o", str(work / "b.onnx")]),
-    ):
+    runs = (("fuse", ["--no-validate", "-o", work / "a.onnx"]), ("fuse_validate", ["-o", work / "b.onnx"]))
+    for name, extra in runs:
         print(f"running {name} ...", file=sys.stderr)
-        results[f"{name}_s"], results[f"{name}_peak_rss"] = run_child(fuse + extra)
+        results[f"{name}_s"], results[f"{name}_peak_rss"] = run_child(
+            TOOLS / "fuse_onnx.py", model, plan, *extra
+        )
         results[f"{name}_vs_copy"] = results[f"{name}_s"] / results["copy_s"]
     return results
 
@@ -91,17 +114,16 @@ def bench(args: argparse.Namespace, work: Path) -> dict:
 def report(results: dict) -> str:
     bound = results["bound_bytes"]
     lines = [
-        f"model: {results['model_bytes'] / 1e9:.2f} GB; largest group: {results['largest_group_bytes'] / MB:.0f} MB; "
-        f"RSS bound: {bound / MB:.0f} MB",
+        f"model: {results['model_bytes'] / 1e9:.2f} GB; "
+        f"largest group: {results['largest_group_bytes'] / MB:.0f} MB; RSS bound: {bound / MB:.0f} MB",
         f"{'step':<16}{'seconds':>9}{'x copy':>8}{'peak RSS MB':>13}  within bound",
         f"{'copy':<16}{results['copy_s']:>9.1f}{1.0:>8.2f}{results['copy_peak_rss'] / MB:>13.0f}",
     ]
     for name in ("fuse", "fuse_validate"):
         rss = results[f"{name}_peak_rss"]
         ok = rss < bound and results[f"{name}_vs_copy"] <= 3.0
-        lines.append(
-            f"{name:<16}{results[f'{name}_s']:>9.1f}{results[f'{name}_vs_copy']:>8.2f}{rss / MB:>13.0f}  {'yes' if ok else 'NO'}"
-        )
+        seconds, ratio = results[f"{name}_s"], results[f"{name}_vs_copy"]
+        lines.append(f"{name:<16}{seconds:>9.1f}{ratio:>8.2f}{rss / MB:>13.0f}  {'yes' if ok else 'NO'}")
     return "\n".join(lines)
 
 
