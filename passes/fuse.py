@@ -92,17 +92,21 @@ def _initializer(
     dtype = weights[0].dtype
 
     def concatenate() -> ir.TensorProtocol:
-        parts = [w.matrix() for w in weights]
-        if row_scales is not None:
-            scales = [s.const_value.numpy().astype(np.float32) for s in row_scales]
-            parts = [
-                (p.astype(np.float32) * s[:, None]).astype(p.dtype)
-                for p, s in zip(parts, scales, strict=True)
-            ]
-        fused = np.concatenate(parts, axis=axis)
-        del parts
-        for w in weights:
-            w.release()
+        # One output buffer, each part copied (and row-scaled for "fold") straight into its slice.
+        fused = np.empty(shape, dtype=dtype.numpy())
+        offset = 0
+        for k, weight in enumerate(weights):
+            part = weight.matrix()
+            width = part.shape[axis]
+            target = fused[:, offset : offset + width] if axis == 1 else fused[offset : offset + width]
+            if row_scales is None:
+                target[...] = part
+            else:
+                scale = row_scales[k].const_value.numpy().astype(np.float32)[:, None]
+                target[...] = (part.astype(np.float32, copy=False) * scale).astype(fused.dtype, copy=False)
+            offset += width
+            del part
+            weight.release()
         return ir.tensor(fused, dtype=dtype, name=name)
 
     tensor = ir.LazyTensor(concatenate, dtype=dtype, shape=ir.Shape(shape), name=name)
