@@ -116,12 +116,13 @@ def report(results: dict) -> str:
     lines = [
         f"model: {results['model_bytes'] / 1e9:.2f} GB; "
         f"largest group: {results['largest_group_bytes'] / MB:.0f} MB; RSS bound: {bound / MB:.0f} MB",
-        f"{'step':<16}{'seconds':>9}{'x copy':>8}{'peak RSS MB':>13}  within bound",
+        f"{'step':<16}{'seconds':>9}{'x copy':>8}{'peak RSS MB':>13}  within bounds",
         f"{'copy':<16}{results['copy_s']:>9.1f}{1.0:>8.2f}{results['copy_peak_rss'] / MB:>13.0f}",
     ]
     for name in ("fuse", "fuse_validate"):
         rss = results[f"{name}_peak_rss"]
-        ok = rss < bound and results[f"{name}_vs_copy"] <= 3.0
+        # The time bound (3x a copy) is for fusing; validation is held to the memory bound only.
+        ok = rss < bound and (name != "fuse" or results[f"{name}_vs_copy"] <= 3.0)
         seconds, ratio = results[f"{name}_s"], results[f"{name}_vs_copy"]
         lines.append(f"{name:<16}{seconds:>9.1f}{ratio:>8.2f}{rss / MB:>13.0f}  {'yes' if ok else 'NO'}")
     return "\n".join(lines)
