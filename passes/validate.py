@@ -136,12 +136,41 @@ def _vocab_size(blocks: list[Block]) -> int:
     return int(embedding.inputs[0].shape[0])
 
 
+HALF_TYPES = {onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
+
+
+def float32_view(proto: onnx.ModelProto, folder: Path) -> onnx.ModelProto:
+    """The same graph computing in float32: ONNX Runtime's CPU kernels lack fp16/bf16 MatMul and Mul,
+    so checks of half-precision models run in fp32 activations (weights are exact in fp32)."""
+    graph = proto.graph
+    for index, tensor in enumerate(graph.initializer):
+        if tensor.data_type in HALF_TYPES:
+            array = onnx.numpy_helper.to_array(tensor, base_dir=str(folder)).astype(np.float32)
+            graph.initializer[index].CopyFrom(onnx.numpy_helper.from_array(array, tensor.name))
+    for node in graph.node:
+        for attribute in node.attribute:
+            if node.op_type == "Cast" and attribute.name == "to" and attribute.i in HALF_TYPES:
+                attribute.i = onnx.TensorProto.FLOAT
+    for info in [*graph.input, *graph.output, *graph.value_info]:
+        if info.type.tensor_type.elem_type in HALF_TYPES:
+            info.type.tensor_type.elem_type = onnx.TensorProto.FLOAT
+    return proto
+
+
+def _is_half(proto: onnx.ModelProto) -> bool:
+    return any(t.data_type in HALF_TYPES for t in proto.graph.initializer)
+
+
 def _session(proto: onnx.ModelProto, folder: Path) -> ort.InferenceSession:
+    proto = float32_view(proto, folder) if _is_half(proto) else proto
     options = ort.SessionOptions()
     options.log_severity_level = 3
     options.add_session_config_entry("session.disable_prepacking", "1")  # no second copy of the weights
     options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
-    return ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    try:
+        return ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # onnxruntime raises its own exception types, all plain Exceptions
+        raise ValidationError(f"ONNX Runtime cannot load the model: {str(exc).splitlines()[0]}") from None
 
 
 def _with_outputs(path: Path, names: list[str]) -> onnx.ModelProto:
