@@ -1,0 +1,178 @@
+"""Write ONNX models through torch.onnx's dynamo exporter.
+
+Every model gets one input `input_ids` (int64 [batch, seq]) and one output `logits` (float32
+[batch, seq, vocab]), both dims dynamic and named "batch" and "seq". The exporter's default optimizer
+stays on (it folds weight transposes into [in, out] initializers), and the node metadata it writes
+(`pkg.torch.onnx.name_scopes`, ...) is kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import time
+import types
+import warnings
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import onnx_ir as ir
+import torch
+
+from exporters.llama import build_model, count_parameters
+from exporters.spec import ModelSpec, attention_free_runs
+
+# Same as exporters.smollm2.PRUNED_BLOCKS (not imported here: that module imports transformers).
+PRUNED_BLOCKS: tuple[int, ...] = tuple(range(13, 23))
+
+# A protobuf file cannot exceed 2 GiB; above this the weights go to `<model file name>.data`.
+EXTERNAL_DATA_THRESHOLD = 2**31 - 2**26  # 2 GiB less 64 MiB of head room for the graph itself
+# Example input used for tracing; neither dim is 0 or 1, so the exporter does not specialize them.
+EXAMPLE_SHAPE = (2, 7)
+
+
+@dataclass
+class ExportResult:
+    """What `export_onnx` wrote."""
+
+    path: Path
+    files: list[Path]
+    bytes: int
+    seconds: float
+    parameters: int
+    opset: int
+    attention: list[bool] = field(default_factory=list)
+
+    @property
+    def attention_free_runs(self) -> list[tuple[int, int]]:
+        return attention_free_runs(self.attention)
+
+
+def _hf_logits_forward(self: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    return type(self).forward(self, input_ids=input_ids, use_cache=False).logits.float()
+
+
+@contextlib.contextmanager
+def _logits_only(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """Make a Hugging Face causal LM's forward(input_ids) return logits without a KV cache, for the export.
+
+    The forward is patched on the instance instead of wrapping the model in another module, so the
+    exported name scopes and initializer names read like the checkpoint's (model.layers.N..., lm_head).
+    """
+    if not _is_hf_model(module):
+        yield module
+        return
+    module.forward = types.MethodType(_hf_logits_forward, module)
+    try:
+        yield module
+    finally:
+        del module.forward
+
+
+def _is_hf_model(module: torch.nn.Module) -> bool:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return False
+    return isinstance(module, PreTrainedModel)
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[io.StringIO]:
+    """Swallow the exporter's progress prints, warnings and info logs; yields what was printed."""
+    buffer = io.StringIO()
+    loggers = [logging.getLogger(n) for n in ("torch.onnx", "torch.export", "torch._dynamo", "onnxscript",
+                                              "torch.fx.experimental.symbolic_shapes", "transformers")]
+    levels = [lg.level for lg in loggers]
+    try:
+        for lg in loggers:
+            lg.setLevel(logging.ERROR)
+        with warnings.catch_warnings(), contextlib.redirect_stdout(buffer):
+            warnings.simplefilter("ignore")
+            yield buffer
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+
+
+def _initializer_bytes(model: ir.Model) -> int:
+    return sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
+
+
+def export_onnx(module: torch.nn.Module, path: str | os.PathLike, *, opset: int | None = None,
+                external_data_threshold: int = EXTERNAL_DATA_THRESHOLD) -> ExportResult:
+    """Export `module` (forward(input_ids) -> logits, or a Hugging Face causal LM) to `path`.
+
+    Weights go to one file `<path name>.data` beside the model when they pass
+    `external_data_threshold` bytes, otherwise everything is in one file. `opset=None` takes the
+    exporter's default. Raises RuntimeError with the exporter's output if the export fails.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    module.eval()
+    example = torch.zeros(EXAMPLE_SHAPE, dtype=torch.int64)
+    start = time.perf_counter()
+    with _quiet() as printed, torch.no_grad(), _logits_only(module) as traced:
+        try:
+            program = torch.onnx.export(
+                traced, (example,), dynamo=True, opset_version=opset, optimize=True,
+                input_names=["input_ids"], output_names=["logits"],
+                dynamic_shapes={"input_ids": {0: "batch", 1: "seq"}}, verbose=False, report=False)
+        except Exception as exc:
+            raise RuntimeError(f"torch.onnx.export failed: {exc}\n{printed.getvalue()}") from exc
+    model = program.model
+    _name_dims(model)
+    data_name = f"{path.name}.data"
+    data_path = path.parent / data_name
+    if _initializer_bytes(model) > external_data_threshold:
+        ir.save(model, path, external_data=data_name)
+        files = [path, data_path]
+    else:
+        data_path.unlink(missing_ok=True)  # a stale one from an earlier export would mislead
+        ir.save(model, path)
+        files = [path]
+    seconds = time.perf_counter() - start
+    return ExportResult(path=path, files=files, bytes=sum(f.stat().st_size for f in files), seconds=seconds,
+                        parameters=count_parameters(module), opset=model.opset_imports.get("", 0))
+
+
+def _name_dims(model: ir.Model) -> None:
+    """Make sure input and output dims carry the names "batch" and "seq" (the exporter may write s0/s1)."""
+    names = {}
+    for dim, name in zip(model.graph.inputs[0].shape, ("batch", "seq"), strict=True):
+        if isinstance(dim, ir.SymbolicDim) and dim.value is not None:
+            names[dim.value] = name
+    for value in [*model.graph.inputs, *model.graph.outputs]:
+        if value.shape is None:
+            continue
+        dims = [ir.SymbolicDim(names.get(d.value, d.value)) if isinstance(d, ir.SymbolicDim) else d
+                for d in value.shape]
+        value.shape = ir.Shape(dims)
+
+
+def export_spec_model(spec: ModelSpec, path: str | os.PathLike, seed: int = 0, *, opset: int | None = None,
+                      external_data_threshold: int = EXTERNAL_DATA_THRESHOLD) -> ExportResult:
+    """Build the SpecLlama for `spec` with seeded random weights and export it."""
+    result = export_onnx(build_model(spec, seed), path, opset=opset,
+                         external_data_threshold=external_data_threshold)
+    result.attention = spec.attention_flags
+    return result
+
+
+def export_smollm2(path: str | os.PathLike, drop_attention: Iterable[int] = PRUNED_BLOCKS, *,
+                   opset: int | None = None,
+                   external_data_threshold: int = EXTERNAL_DATA_THRESHOLD) -> ExportResult:
+    """Export SmolLM2-135M-Instruct, with attention removed from the blocks in `drop_attention`.
+
+    The default, blocks 13-22, is the project's standard pruned variant; pass () for the unchanged model.
+    """
+    from exporters import smollm2
+
+    drop_attention = smollm2.check_blocks(drop_attention)  # before the slow load
+    model = smollm2.remove_attention(smollm2.load_model(), drop_attention)
+    result = export_onnx(model, path, opset=opset, external_data_threshold=external_data_threshold)
+    result.attention = smollm2.attention_flags(model)
+    return result

