@@ -1,0 +1,493 @@
+"""Tensor-parallel roles of a Llama-family graph, recognized by structure (passes.shard uses them).
+
+The residual stream is walked from the token embedding: every `Add(stream, branch)` whose branch ends in
+a linear layer (MatMul/Gemm with a constant weight, possibly behind DequantizeLinear/Transpose/Cast)
+closes one residual branch. In a branch, the first linear layers (those reading the normalized stream,
+not the output of another linear layer) are column-parallel, the last one is row-parallel and gets the
+all-reduce. A branch with a Softmax is attention: its three first projections are told apart by where
+they enter the core (scores = q @ k^T, context = probs @ v); head counts come from the shapes of the
+Reshape after each projection. Anything else is an FFN (SwiGLU, or any branch of equal-width column
+layers), including a fused wide FFN.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import onnx_ir as ir
+
+from passes.errors import UserError
+from passes.shard_dims import World, align, product
+
+WEIGHT_CHAIN_OPS = ("Transpose", "Cast", "Identity", "DequantizeLinear")
+LINEAR_OPS = ("MatMul", "Gemm")
+FUSED_ATTENTION_OPS = {"Attention", "MultiHeadAttention", "GroupQueryAttention", "AttentionPlugin"}
+# Ops a projection output may pass through before the Reshape that splits it into heads.
+_PASS_OPS = ("Add", "Mul", "Cast", "Identity", "QuantizeLinear", "DequantizeLinear")
+
+
+@dataclass
+class WeightRef:
+    """The constant behind a linear layer's weight input, and the nodes between them."""
+
+    node: ir.Node  # the MatMul/Gemm
+    value: ir.Value  # its weight input
+    source: ir.Value  # the initializer (or Constant output)
+    chain: list[ir.Node]  # from the source to `value`, in data order
+    transposed: bool = False  # Gemm transB=1: the weight input is [out, in]
+
+    @property
+    def tensor(self) -> ir.TensorProtocol:
+        return constant_tensor(self.source)
+
+    def matrix_shape(self) -> tuple[int, int]:
+        """(in, out) of the weight as the layer multiplies by it."""
+        dims = [int(d) for d in self.value.shape] if self.value.shape is not None else None
+        if dims is None or len(dims) != 2:
+            dims = list(_shape_through_chain(self))
+        rows, cols = dims
+        return (cols, rows) if self.transposed else (rows, cols)
+
+    def source_axis(self, matmul_axis: int) -> int:
+        """The axis of the source tensor that is the layer's input (0) or output (1) axis."""
+        axis = 1 - matmul_axis if self.transposed else matmul_axis
+        for node in reversed(self.chain):
+            if node.op_type == "Transpose":
+                perm = _perm(node)
+                axis = perm[axis]
+        return axis
+
+
+def _perm(node: ir.Node) -> list[int]:
+    attr = node.attributes.get("perm")
+    return [int(p) for p in attr.value] if attr is not None else [1, 0]
+
+
+def _shape_through_chain(ref: WeightRef) -> tuple[int, int]:
+    dims = [int(d) for d in ref.tensor.shape]
+    for node in ref.chain:
+        if node.op_type == "Transpose":
+            perm = _perm(node)
+            dims = [dims[p] for p in perm]
+    return dims[0], dims[1]
+
+
+def constant_tensor(value: ir.Value | None) -> ir.TensorProtocol | None:
+    if value is None or value.is_graph_input():
+        return None
+    if value.const_value is not None:
+        return value.const_value
+    node = value.producer()
+    if node is not None and node.op_type == "Constant" and "value" in node.attributes:
+        attr = node.attributes["value"]
+        if attr.type == ir.AttributeType.TENSOR:
+            return attr.value
+    return None
+
+
+def weight_ref(node: ir.Node) -> WeightRef | None:
+    """The constant 2-D weight of a MatMul/Gemm, or None when its weight input is computed."""
+    if node.op_type not in LINEAR_OPS or len(node.inputs) < 2 or node.inputs[1] is None:
+        return None
+    transposed = False
+    if node.op_type == "Gemm":
+        if _int_attr(node, "transA", 0):
+            return None
+        transposed = bool(_int_attr(node, "transB", 0))
+    value = node.inputs[1]
+    chain: list[ir.Node] = []
+    current = value
+    while constant_tensor(current) is None:
+        producer = current.producer()
+        if (
+            producer is None
+            or producer.op_type not in WEIGHT_CHAIN_OPS
+            or producer.domain not in ("", "ai.onnx")
+        ):
+            return None
+        chain.append(producer)
+        current = producer.inputs[0]
+    tensor = constant_tensor(current)
+    if tensor is None or len(tensor.shape) != 2:
+        return None
+    return WeightRef(node, value, current, chain[::-1], transposed)
+
+
+def _int_attr(node: ir.Node, name: str, default: int) -> int:
+    attr = node.attributes.get(name)
+    return default if attr is None else int(attr.value)
+
+
+@dataclass
+class Branch:
+    """One residual branch: stream -> norm -> column layers -> ... -> row layer -> Add(stream, .)."""
+
+    index: int
+    kind: str  # "attention" or "ffn"
+    stream: ir.Value
+    residual: ir.Node
+    row: WeightRef
+    columns: list[WeightRef]
+    nodes: set[ir.Node] = field(default_factory=set)
+    # attention
+    q: WeightRef | None = None
+    k: WeightRef | None = None
+    v: WeightRef | None = None
+    heads: int = 0
+    kv_heads: int = 0
+    head_dim: int = 0
+    # ffn
+    width: int = 0
+
+    def describe(self) -> str:
+        layer = _layer_name(self.row.node)
+        where = f" ({layer})" if layer else ""
+        return f"residual branch {self.index} [{self.kind}]{where}"
+
+
+@dataclass
+class TpStructure:
+    embedding: ir.Node
+    branches: list[Branch]
+    lm_head: WeightRef | None
+
+    @property
+    def attention(self) -> list[Branch]:
+        return [b for b in self.branches if b.kind == "attention"]
+
+    @property
+    def ffns(self) -> list[Branch]:
+        return [b for b in self.branches if b.kind == "ffn"]
+
+    def branch_of(self) -> dict[ir.Node, Branch]:
+        return {node: b for b in self.branches for node in b.nodes}
+
+
+def find_structure(model: ir.Model, world: World | None = None) -> TpStructure:
+    """Walk the residual stream; UserError when the graph is not a decoder the pass can shard."""
+    graph = model.graph
+    world = world if world is not None else World(graph).run()
+    order = {node: i for i, node in enumerate(graph)}
+    embedding = _embedding(graph)
+    stream = embedding.outputs[0]
+    branches: list[Branch] = []
+    while (found := _residual(stream)) is not None:
+        residual, branch_value = found
+        branches.append(_branch(len(branches), stream, residual, branch_value, order, world))
+        stream = residual.outputs[0]
+    if not branches:
+        raise UserError(
+            "no residual branches found after the token embedding (expected Add(stream, MatMul(...)))"
+        )
+    head, after = _lm_head(graph, stream)
+    if len(after) > 1:
+        names = ", ".join(repr(n.name) for n in after[:3])
+        raise UserError(
+            f"the residual stream walk stopped at {stream.name!r} after {len(branches)} branches, but "
+            f"more linear layers follow ({names}); a branch there does not end in a linear layer "
+            "added to the stream"
+        )
+    return TpStructure(embedding, branches, head)
+
+
+def _embedding(graph: ir.Graph) -> ir.Node:
+    inputs = set(graph.inputs)
+    for node in graph:
+        if node.op_type != "Gather" or constant_tensor(_through(node.inputs[0])) is None:
+            continue
+        indices = node.inputs[1]
+        while indices is not None and indices.producer() is not None and indices.producer().op_type == "Cast":
+            indices = indices.producer().inputs[0]
+        if indices in inputs:
+            return node
+    raise UserError("no token embedding found: expected Gather(embedding weight, input_ids)")
+
+
+def _through(value: ir.Value | None) -> ir.Value | None:
+    while value is not None and constant_tensor(value) is None:
+        node = value.producer()
+        if node is None or node.op_type not in WEIGHT_CHAIN_OPS:
+            return value
+        value = node.inputs[0]
+    return value
+
+
+def _linear_end(value: ir.Value | None) -> ir.Node | None:
+    """The linear layer that produces `value` (looking through Cast/Identity and a constant bias Add: the
+    all-reduce goes right after the MatMul, so the bias is added once, after it)."""
+    node = value.producer() if value is not None else None
+    while node is not None and node.op_type in ("Cast", "Identity", "Add"):
+        if node.op_type == "Add":
+            constant = [i for i, v in enumerate(node.inputs[:2]) if constant_tensor(v) is not None]
+            if len(constant) != 1:
+                return None
+            data = node.inputs[1 - constant[0]]
+        else:
+            data = node.inputs[0]
+        node = data.producer() if data is not None else None
+    if node is not None and weight_ref(node) is not None:
+        return node
+    return None
+
+
+def _residual(stream: ir.Value) -> tuple[ir.Node, ir.Value] | None:
+    found = []
+    for use in stream.uses():
+        node = use.node
+        if node.op_type == "Add" and use.idx in (0, 1) and len(node.inputs) == 2:
+            other = node.inputs[1 - use.idx]
+            if other is not stream and _linear_end(other) is not None:
+                found.append((node, other))
+    if len(found) > 1:
+        names = ", ".join(repr(n.name) for n, _ in found)
+        raise UserError(f"the residual stream {stream.name!r} feeds several residual adds ({names})")
+    return found[0] if found else None
+
+
+def _cone(start: ir.Value, stream: ir.Value, order: dict[ir.Node, int]) -> set[ir.Node]:
+    """Nodes upstream of `start` that depend on `stream` (the branch body), not crossing `stream`."""
+    seen: set[ir.Node] = set()
+    stack = [start]
+    while stack:
+        value = stack.pop()
+        if value is None or value is stream:
+            continue
+        node = value.producer()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        stack.extend(node.inputs)
+    depends: set[ir.Node] = set()
+    for node in sorted(seen, key=order.__getitem__):
+        if any(v is stream or (v is not None and v.producer() in depends) for v in node.inputs):
+            depends.add(node)
+    return depends
+
+
+def _branch(
+    index: int, stream: ir.Value, residual: ir.Node, value: ir.Value, order: dict[ir.Node, int], world: World
+) -> Branch:
+    row_node = _linear_end(value)
+    assert row_node is not None
+    row = weight_ref(row_node)
+    assert row is not None
+    nodes = _cone(row_node.inputs[0], stream, order)
+    if not any(v is stream or (v is not None and v.producer() in nodes) for v in row_node.inputs[:1]):
+        raise UserError(f"residual branch {index}: its last projection does not depend on the stream")
+    inputs = {v for n in nodes for v in n.inputs if v is not None and v.is_graph_input()}
+    if inputs:
+        name = sorted(v.name for v in inputs)[0]
+        raise UserError(
+            f"residual branch {index} reads the graph input {name!r} (a KV cache?): decode graphs "
+            "with cache inputs cannot be sharded yet; shard the full-sequence model"
+        )
+    fused = sorted({n.op_type for n in nodes} & FUSED_ATTENTION_OPS)
+    if fused:
+        raise UserError(
+            f"residual branch {index}: fused attention op {fused[0]} is not supported; "
+            "export attention as MatMul/Softmax"
+        )
+    linears = sorted((n for n in nodes if weight_ref(n) is not None), key=order.__getitem__)
+    after = _after_linear(nodes, order)
+    columns = [weight_ref(n) for n in linears if not any(_is_after(v, after) for v in n.inputs[:1])]
+    inner = [n for n in linears if any(_is_after(v, after) for v in n.inputs[:1])]
+    if inner:
+        raise UserError(
+            f"residual branch {index}: linear layer {inner[0].name!r} sits between the branch's "
+            "first and last projections; only column -> row branches can be sharded"
+        )
+    biased = [
+        r.node
+        for r in [*columns, row]
+        if r.node.op_type == "Gemm" and len(r.node.inputs) > 2 and r.node.inputs[2] is not None
+    ]
+    if biased:
+        raise UserError(
+            f"residual branch {index}: Gemm {biased[0].name!r} has a bias, which sharding does not "
+            "handle yet (export the projection as MatMul [+ Add])"
+        )
+    if not columns:
+        raise UserError(f"residual branch {index}: no column projections found before {row_node.name!r}")
+    branch = Branch(index, "ffn", stream, residual, row, columns, nodes)  # type: ignore[arg-type]
+    if any(n.op_type == "Softmax" for n in nodes):
+        branch.kind = "attention"
+        _attention_roles(branch, world)
+    else:
+        widths = {c.matrix_shape()[1] for c in branch.columns}
+        if len(widths) != 1:
+            raise UserError(f"{branch.describe()}: its column projections differ in width {sorted(widths)}")
+        branch.width = widths.pop()
+        if branch.row.matrix_shape()[0] != branch.width:
+            raise UserError(
+                f"{branch.describe()}: last projection has {branch.row.matrix_shape()[0]} inputs, "
+                f"the first ones {branch.width} outputs"
+            )
+    return branch
+
+
+def _after_linear(nodes: set[ir.Node], order: dict[ir.Node, int]) -> set[ir.Value]:
+    """Values of the branch computed from the output of some linear layer of the branch."""
+    after: set[ir.Value] = set()
+    for node in sorted(nodes, key=order.__getitem__):
+        if weight_ref(node) is not None or any(v in after for v in node.inputs if v is not None):
+            after.update(node.outputs)
+    return after
+
+
+def _is_after(value: ir.Value | None, after: set[ir.Value]) -> bool:
+    return value is not None and value in after
+
+
+def _forward(start: ir.Value, nodes: set[ir.Node]) -> set[ir.Value]:
+    seen: set[ir.Value] = set()
+    stack = [start]
+    while stack:
+        value = stack.pop()
+        if value in seen:
+            continue
+        seen.add(value)
+        for use in value.uses():
+            if use.node in nodes:
+                stack.extend(use.node.outputs)
+    return seen
+
+
+def _attention_roles(branch: Branch, world: World) -> None:
+    where = branch.describe()
+    softmaxes = [n for n in branch.nodes if n.op_type == "Softmax"]
+    if len(softmaxes) != 1:
+        raise UserError(f"{where}: expected one Softmax, found {len(softmaxes)}")
+    scores = _upstream_matmul(softmaxes[0].inputs[0], branch.nodes)
+    context = _downstream_matmul(softmaxes[0].outputs[0], branch.nodes)
+    if scores is None or context is None:
+        raise UserError(f"{where}: no MatMul(q, k) -> Softmax -> MatMul(probs, v) core found")
+    reach = {id(c): _forward(c.node.outputs[0], branch.nodes) for c in branch.columns}
+
+    def role(value: ir.Value, exclude: ir.Value | None = None) -> WeightRef:
+        hits = [
+            c
+            for c in branch.columns
+            if value in reach[id(c)] and (exclude is None or exclude not in reach[id(c)])
+        ]
+        if len(hits) != 1:
+            raise UserError(
+                f"{where}: expected separate q, k and v projections (found {len(hits)} feeding "
+                f"{value.name!r}); fused qkv projections are not supported"
+            )
+        return hits[0]
+
+    branch.q = role(scores.inputs[0])
+    branch.k = role(scores.inputs[1])
+    branch.v = role(context.inputs[1], exclude=scores.outputs[0])
+    if len(branch.columns) != 3 or len({id(branch.q), id(branch.k), id(branch.v)}) != 3:
+        raise UserError(f"{where}: expected exactly three projections q, k, v; found {len(branch.columns)}")
+    q_out = branch.q.matrix_shape()[1]
+    heads, head_dim = _split_heads(branch.q, branch.nodes, world, where)
+    kv_cols = branch.k.matrix_shape()[1]
+    if head_dim <= 0 or q_out % head_dim or kv_cols % head_dim or branch.v.matrix_shape()[1] != kv_cols:
+        raise UserError(
+            f"{where}: q has {q_out} outputs, k/v {kv_cols}: cannot split into heads of {head_dim}"
+        )
+    branch.heads, branch.head_dim, branch.kv_heads = heads, head_dim, kv_cols // head_dim
+    if branch.row.matrix_shape()[0] != q_out:
+        raise UserError(f"{where}: o_proj has {branch.row.matrix_shape()[0]} inputs, q_proj {q_out} outputs")
+
+
+def _upstream_matmul(value: ir.Value | None, nodes: set[ir.Node]) -> ir.Node | None:
+    for _ in range(8):
+        node = value.producer() if value is not None else None
+        if node is None or node not in nodes:
+            return None
+        if node.op_type == "MatMul" and weight_ref(node) is None:
+            return node
+        value = node.inputs[0]
+    return None
+
+
+def _downstream_matmul(value: ir.Value, nodes: set[ir.Node]) -> ir.Node | None:
+    frontier = [value]
+    for _ in range(8):
+        following = []
+        for v in frontier:
+            for use in v.uses():
+                if use.node not in nodes:
+                    continue
+                if use.node.op_type == "MatMul" and use.idx == 0:
+                    return use.node
+                following.extend(use.node.outputs)
+        frontier = following
+    return None
+
+
+def _split_heads(q: WeightRef, nodes: set[ir.Node], world: World, where: str) -> tuple[int, int]:
+    """(heads, head_dim) from the first Reshape after the q projection."""
+    value = q.node.outputs[0]
+    for _ in range(6):
+        uses = [u.node for u in value.uses() if u.node in nodes]
+        reshape = next((n for n in uses if n.op_type == "Reshape"), None)
+        if reshape is not None:
+            full_in, full_out = world.get(reshape.inputs[0]).shape, world.get(reshape.outputs[0]).shape
+            groups = align(full_in, full_out) if full_in is not None and full_out is not None else None
+            for gi, gj in groups or []:
+                if gi == [len(full_in) - 1] and len(gj) >= 2:
+                    heads = full_out[gj[0]]
+                    rest = product(full_out[k] for k in gj[1:])
+                    if heads is not None and heads.is_int and rest is not None and rest.is_int:
+                        return int(heads), int(rest)
+            break
+        nxt = next((n for n in uses if n.op_type in _PASS_OPS), None)
+        if nxt is None:
+            break
+        value = nxt.outputs[0]
+    raise UserError(f"{where}: no Reshape splitting the q projection into [.., heads, head_dim] found")
+
+
+def _lm_head(graph: ir.Graph, stream: ir.Value) -> tuple[WeightRef | None, list[ir.Node]]:
+    """The linear layer after the final norm whose output reaches a graph output, and all first linear
+    layers downstream of the stream's end (just the lm_head, unless the walk stopped early)."""
+    outputs = set(graph.outputs)
+    seen: set[ir.Value] = set()
+    stack = [stream]
+    found: list[ir.Node] = []
+    while stack:
+        value = stack.pop()
+        if value in seen:
+            continue
+        seen.add(value)
+        for use in value.uses():
+            if weight_ref(use.node) is not None and use.idx == 0:
+                found.append(use.node)
+            else:
+                stack.extend(use.node.outputs)
+    heads = [n for n in found if _reaches(n.outputs[0], outputs)]
+    return (weight_ref(heads[0]) if len(heads) == 1 else None), list(dict.fromkeys(found))
+
+
+def _reaches(value: ir.Value, outputs: set[ir.Value]) -> bool:
+    stack, seen = [value], set()
+    while stack:
+        v = stack.pop()
+        if v in outputs:
+            return True
+        if v in seen:
+            continue
+        seen.add(v)
+        for use in v.uses():
+            stack.extend(use.node.outputs)
+    return False
+
+
+def _layer_name(node: ir.Node) -> str | None:
+    import ast
+    import re
+
+    scopes = node.metadata_props.get("pkg.torch.onnx.name_scopes")
+    if not scopes:
+        return None
+    try:
+        for scope in reversed(ast.literal_eval(scopes)):
+            if match := re.search(r"((?:model\.)?(?:layers|h|blocks)\.\d+)", scope):
+                return match.group(1)
+    except (ValueError, SyntaxError):
+        return None
+    return None

@@ -1,0 +1,354 @@
+"""Tensor-parallel sharding (passes.shard): structure, all-reduce counts, and logits equal to one device.
+
+The rank graphs are run in one process here (runtime.tp.run_simulated sums at each DistCollective);
+tests/runtime/test_tp.py runs them as real torchrun processes. `build_models` is shared with that file.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+
+from passes.errors import UserError
+from passes.shard import (
+    COLLECTIVE_DOMAIN,
+    count_allreduces,
+    kv_layout,
+    rank_onnx_files,
+    read_manifest,
+    shard_file,
+    shard_in_memory,
+)
+from runtime.tp import relative_error, run_simulated
+
+ROOT = Path(__file__).resolve().parents[2]
+# Super-49B pattern (8 heads, 1 KV head, attention-free runs); widths 60/100/44 and the fused 212 are not
+# multiples of 8, so tp=8 pads them.
+SUPER49B_BLOCKS = [
+    (True, 112),
+    (True, 224),
+    (False, 60),
+    (False, 100),
+    (True, 224),
+    (False, 56),
+    (False, 44),
+    (False, 112),
+    (True, 224),
+]
+FUSION_GROUPS = ((1, 3), (5, 7))
+TOLERANCE = 1e-5
+
+
+@dataclass(frozen=True)
+class TpModels:
+    unfused: Path  # 9 blocks, 4 attention: 13 all-reduces
+    fused: Path  # groups (1,3) and (5,7): 9 all-reduces
+    fused_fp8: Path  # the fused model with FP8 Q/DQ (per-channel weights, per-tensor activations)
+    gqa: Path  # 12 heads, 2 KV heads, vocab 250, untied lm_head: tp=2 splits KV, tp=4 replicates, tp=8 fails
+    hf: Path  # transformers LlamaForCausalLM (own attention/mask pattern), 8/2 heads, FFN 100, biases
+
+
+def build_models(base: Path) -> TpModels:
+    """Export the test models once per session (both test files call this with the session's base temp)."""
+    from exporters.onnx_export import export_spec_model
+    from exporters.spec import BlockSpec, ModelSpec
+    from passes.fp8 import calibrate, quantize_fp8
+    from passes.model_io import load_model, save_model
+    from passes.pipeline import fuse_file
+    from passes.plan import Plan
+
+    folder = base / "tp_models"
+    names = ("m49.onnx", "m49.fused.onnx", "m49.fused.fp8.onnx", "gqa.onnx", "hf.onnx")
+    models = TpModels(*(folder / name for name in names))
+    if (folder / "done").exists():
+        return models
+    folder.mkdir(parents=True, exist_ok=True)
+    blocks = [BlockSpec(attention=a, ffn_width=w) for a, w in SUPER49B_BLOCKS]
+    spec = ModelSpec(hidden=64, heads=8, kv_heads=1, vocab=256, blocks=blocks)
+    export_spec_model(spec, models.unfused, seed=1, external_data_threshold=0)
+    fuse_file(models.unfused, Plan(groups=FUSION_GROUPS), models.fused, validate_output=False)
+    scales = calibrate(models.fused, [tokens(16, seed=5)], progress=False)
+    fp8 = load_model(models.fused)
+    quantize_fp8(fp8, scales, quantize_lm_head=True)
+    save_model(fp8, models.fused_fp8, True)
+    gqa = ModelSpec(
+        hidden=96,
+        heads=12,
+        kv_heads=2,
+        vocab=250,
+        tie_embeddings=False,
+        blocks=[BlockSpec(True, 40), BlockSpec(False, 36), BlockSpec(True, 48)],
+    )
+    export_spec_model(gqa, models.gqa, seed=2, external_data_threshold=0)
+    export_hf_llama(models.hf)
+    (folder / "done").write_text("ok")
+    return models
+
+
+def export_hf_llama(path: Path) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from exporters.onnx_export import export_onnx
+
+    config = LlamaConfig(
+        hidden_size=64,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        intermediate_size=100,
+        num_hidden_layers=2,
+        vocab_size=256,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        attention_bias=True,
+        mlp_bias=True,
+    )  # biases: sliced on columns, added once after rows
+    torch.manual_seed(3)
+    export_onnx(LlamaForCausalLM(config), path, external_data_threshold=0)
+
+
+def tokens(seq: int = 11, batch: int = 2, seed: int = 0, vocab: int = 250) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, vocab, (batch, seq)).astype(np.int64)
+
+
+def single_device(model: Path, ids: np.ndarray) -> np.ndarray:
+    """One ONNX Runtime session, one thread like the ranks: with FP8 activations a different reduction
+    order (more threads) can flip a rounding step and move the logits by ~1e-2 on its own."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    session = ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
+    return session.run(None, {"input_ids": ids})[0]
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory: pytest.TempPathFactory) -> TpModels:
+    return build_models(tmp_path_factory.getbasetemp())
+
+
+def _initializer(model: ir.Model, name: str) -> np.ndarray:
+    return model.graph.initializers[name].const_value.numpy()
+
+
+# ------------------------------------------------------------------------------------------ counting
+
+
+def test_allreduce_counts_original_and_fused(models: TpModels, tmp_path: Path) -> None:
+    assert count_allreduces(models.unfused) == 13  # 4 attention + 9 FFN
+    assert count_allreduces(models.fused) == 9  # two groups of 3 FFNs: 2 + 2 fewer
+    assert count_allreduces(models.fused_fp8) == 9
+    report = shard_file(models.fused, 4, tmp_path / "tp4", progress=False)
+    assert report.allreduces_per_forward == 9
+    for path in report.rank_files:
+        assert count_allreduces(path) == 9
+
+
+# ------------------------------------------------------------------------------------------ numerics
+
+
+MATRIX = [(w, tp, "replicated") for w in ("unfused", "fused", "fused_fp8") for tp in (2, 4, 8)] + [
+    ("fused_fp8", 8, "vocab"),  # FP8 lm_head split by vocabulary: per-channel scales sliced with it
+    ("hf", 2, "replicated"),
+    ("hf", 8, "vocab"),  # HF: KV replicated, FFN 100 padded to 104
+]
+
+
+@pytest.mark.parametrize(("which", "tp", "lm_head"), MATRIX)
+def test_rank_graphs_match_single_device(
+    models: TpModels, tmp_path: Path, which: str, tp: int, lm_head: str
+) -> None:
+    model = getattr(models, which)
+    ids = tokens()
+    shard_file(model, tp, tmp_path / "out", lm_head=lm_head, progress=False)
+    error = relative_error(run_simulated(tmp_path / "out", ids), single_device(model, ids))
+    assert error <= TOLERANCE, f"{which} tp={tp} lm_head={lm_head}: relative error {error:.2e}"
+
+
+@pytest.mark.parametrize(("tp", "lm_head"), [(2, "replicated"), (4, "vocab"), (4, "replicated")])
+def test_gqa_split_and_replicated_kv(models: TpModels, tmp_path: Path, tp: int, lm_head: str) -> None:
+    ids = tokens(seq=9)
+    report = shard_file(models.gqa, tp, tmp_path / "out", lm_head=lm_head, progress=False)
+    assert report.allgathers_per_forward == (1 if lm_head == "vocab" else 0)
+    error = relative_error(run_simulated(tmp_path / "out", ids), single_device(models.gqa, ids))
+    assert error <= TOLERANCE, f"tp={tp} {lm_head}: relative error {error:.2e}"
+
+
+def test_gqa_rank_keeps_the_kv_head_its_queries_use(models: TpModels, tmp_path: Path) -> None:
+    # 12 heads, 2 KV heads (6 query heads each), tp=4: rank r has query heads 3r..3r+2 -> KV head r // 2.
+    assert [kv_layout(12, 2, 4, r) for r in range(4)] == [(0, 1), (0, 1), (1, 1), (1, 1)]
+    assert [kv_layout(8, 8, 4, r) for r in range(4)] == [(0, 2), (2, 2), (4, 2), (6, 2)]
+    original = ir.load(models.gqa)
+    names = _projection_names(original)
+    full = {role: _initializer(original, name) for role, name in names.items()}
+    rank = ir.load(models.gqa)
+    shard_in_memory(rank, 4, 2)
+    sliced = {role: _initializer(rank, name) for role, name in names.items()}
+    k_weights = full
+    hd = 8
+    for name in ("k", "v"):
+        np.testing.assert_array_equal(sliced[name], k_weights[name][:, 1 * hd : 2 * hd])  # KV head 1
+    np.testing.assert_array_equal(sliced["q"], k_weights["q"][:, 2 * 3 * hd : 3 * 3 * hd])
+    np.testing.assert_array_equal(sliced["o"], k_weights["o"][2 * 3 * hd : 3 * 3 * hd, :])
+
+
+def _projection_names(model: ir.Model) -> dict[str, str]:
+    from passes.shard_graph import find_structure
+
+    branch = find_structure(model).attention[0]
+    refs = {"q": branch.q, "k": branch.k, "v": branch.v, "o": branch.row}
+    return {role: ref.source.name for role, ref in refs.items()}
+
+
+# ------------------------------------------------------------------------------------------ structure
+
+
+def test_rank_graph_layout_and_manifest(models: TpModels, tmp_path: Path) -> None:
+    out = tmp_path / "tp8"
+    report = shard_file(models.fused, 8, out, progress=False)
+    manifest = read_manifest(out)
+    assert manifest["tp"] == 8 and manifest["allreduces_per_forward"] == 9
+    assert rank_onnx_files(out) == [out / f"rank{r}" / "model.onnx" for r in range(8)]
+    assert all((out / f"rank{r}" / "model.onnx.data").is_file() for r in range(8))
+    assert sorted(b.width for b in report.branches if b.kind == "ffn") == [112, 212, 224, 224, 384]
+    padded = {b.width: b.padded_width for b in report.branches if b.kind == "ffn"}
+    assert padded[212] == 216 and padded[384] == 384
+    onnx.checker.check_model(out / "rank5" / "model.onnx")  # sorted, valid: custom domain "trt"
+    onnx.shape_inference.infer_shapes_path(
+        out / "rank5" / "model.onnx", tmp_path / "inferred.onnx", strict_mode=True
+    )
+    rank = ir.load(out / "rank5" / "model.onnx")
+    collectives = [n for n in rank.graph if n.op_type == "DistCollective"]
+    assert len(collectives) == 9
+    attrs = {k: a.value for k, a in collectives[0].attributes.items()}
+    assert collectives[0].domain == COLLECTIVE_DOMAIN and rank.opset_imports[COLLECTIVE_DOMAIN] == 1
+    assert attrs == {
+        "collective_operation": "all_reduce",
+        "reduce_op": "sum",
+        "root": -1,
+        "group_size": 0,
+        "nb_rank": 8,
+    }
+    # every collective follows a MatMul whose output feeds nothing else
+    for node in collectives:
+        source = node.inputs[0]
+        assert source.producer().op_type == "MatMul" and len(source.uses()) == 1
+    shapes = sorted(tuple(v.shape) for v in rank.graph.initializers.values() if v.shape and len(v.shape) == 2)
+    assert (64, 8) in shapes  # q: one of 8 heads of 8; k and v: the single KV head, replicated
+    assert (27, 64) in shapes and (64, 27) in shapes  # 212 -> 216 / 8 = 27 (zero padded)
+
+
+def test_padding_is_zero_and_exact(models: TpModels) -> None:
+    model = ir.load(models.fused)
+    shard_in_memory(model, 8, 7)  # last rank: columns 189..215 of a 212-wide FFN, 3 of them padding
+    from passes.shard_graph import find_structure
+
+    widths = {}
+    for node in model.graph:
+        if node.op_type == "MatMul" and node.inputs[1].const_value is not None:
+            widths.setdefault(tuple(node.inputs[1].shape), node.inputs[1].const_value.numpy())
+    down = widths[(27, 64)]
+    assert np.all(down[-3:] == 0) and np.any(down[:-3] != 0)
+    assert len(find_structure(ir.load(models.fused)).branches) == 9
+
+
+def test_fp8_scales_travel_with_their_weights(models: TpModels) -> None:
+    original = ir.load(models.fused_fp8)
+    model = ir.load(models.fused_fp8)
+    shard_in_memory(model, 4, 1)
+    dq = [n for n in model.graph if n.op_type == "DequantizeLinear" and n.inputs[0].const_value is not None]
+    per_channel = [n for n in dq if n.inputs[1].const_value.size > 1]
+    assert per_channel
+    for node in per_channel:
+        weight, scale = node.inputs[0].const_value, node.inputs[1]
+        assert weight.dtype == ir.DataType.FLOAT8E4M3FN
+        assert scale.shape[0] == weight.shape[1]  # axis=1: one scale per output column of this rank
+    # per-tensor activation scales (QuantizeLinear) are replicated unchanged
+    act = [n for n in model.graph if n.op_type == "QuantizeLinear"]
+    act0 = [n for n in original.graph if n.op_type == "QuantizeLinear"]
+    assert [n.inputs[1].const_value.numpy().item() for n in act] == [
+        n.inputs[1].const_value.numpy().item() for n in act0
+    ]
+
+
+def test_weights_are_sliced_lazily(models: TpModels) -> None:
+    model = ir.load(models.unfused)
+    shard_in_memory(model, 2, 0)
+    lazy = [v for v in model.graph.initializers.values() if isinstance(v.const_value, ir.LazyTensor)]
+    assert len(lazy) == 4 * 4 + 9 * 3  # q k v o per attention, gate up down per FFN
+
+
+def test_attention_reshapes_are_rewritten_per_rank(models: TpModels) -> None:
+    model = ir.load(models.unfused)
+    shard_in_memory(model, 4, 0)
+    consts = {
+        tuple(v.const_value.numpy().tolist())
+        for v in model.graph.initializers.values()
+        if v.name.startswith("tp_shape_")
+    }
+    assert (2,) in consts  # 8 heads -> 2 per rank in the q view [b, s, 2, 8]
+    assert (16,) in consts  # o_proj input [b, s, 64] -> [b, s, 16]
+    # Grouped-query attention over the one KV head, in either form the exporter writes: q viewed as
+    # [b, 1 kv, 2 queries, s, 8], or k/v expanded [1, 1, 2, 1, 1] (8 -> 2 copies per rank).
+    grouped = [
+        tuple(n.outputs[0].shape)[1:3]
+        for n in model.graph
+        if n.op_type == "Reshape" and n.outputs[0].shape is not None and len(n.outputs[0].shape) == 5
+    ]
+    assert grouped.count((1, 2)) == 4 or consts >= {(1, 1, 2, 1, 1)}
+
+
+# ------------------------------------------------------------------------------------------ errors
+
+
+def test_user_errors(models: TpModels, tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="12 attention heads are not divisible by tp=8"):
+        shard_file(models.gqa, 8, tmp_path / "a", progress=False)
+    with pytest.raises(UserError, match="--tp must be one of 1, 2, 4, 8"):
+        shard_file(models.gqa, 3, tmp_path / "b", progress=False)
+    report = shard_file(models.unfused, 2, tmp_path / "c", progress=False)
+    with pytest.raises(UserError, match="already has DistCollective"):
+        shard_file(report.rank_files[0], 2, tmp_path / "d", progress=False)
+    with pytest.raises(UserError, match="no tp.json"):
+        rank_onnx_files(tmp_path)
+
+
+def test_tp1_is_a_copy(models: TpModels, tmp_path: Path) -> None:
+    ids = tokens()
+    report = shard_file(models.unfused, 1, tmp_path / "tp1", progress=False)
+    assert report.allreduces_per_forward == 0
+    np.testing.assert_allclose(
+        single_device(report.rank_files[0], ids), single_device(models.unfused, ids), rtol=0, atol=0
+    )
+
+
+def test_cli_counts_and_shards(models: TpModels, tmp_path: Path) -> None:
+    tool = [sys.executable, str(ROOT / "tools" / "shard_tp.py")]
+    out = subprocess.run(
+        [*tool, str(models.unfused), str(models.fused), "--count"], capture_output=True, text=True, check=True
+    ).stdout
+    assert "m49.onnx: 13 all-reduces per forward pass" in out
+    assert (
+        "m49.fused.onnx: 9 all-reduces per forward pass (fused: 2 group(s), 4 FFN all-reduce(s) removed)"
+        in out
+    )
+    run = subprocess.run(
+        [*tool, str(models.fused), "--tp", "2", "--out", str(tmp_path / "o")], capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr
+    assert "all-reduces per forward: 9 (4 attention + 5 FFN)" in run.stdout
+    assert json.loads((tmp_path / "o" / "tp.json").read_text())["ranks"] == [
+        "rank0/model.onnx",
+        "rank1/model.onnx",
+    ]
+    bad = subprocess.run(
+        [*tool, str(models.gqa), "--tp", "8", "--out", str(tmp_path / "x")], capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "not divisible" in bad.stderr

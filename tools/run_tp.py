@@ -1,0 +1,114 @@
+"""Run tensor-parallel rank graphs: one process per rank under torchrun, all-reduces through gloo.
+
+Examples:
+  torchrun --nproc-per-node 2 tools/run_tp.py tp2/ --tokens ids.npy --out logits.npy
+  torchrun --nproc-per-node 2 tools/run_tp.py tp2/ --tokens ids.npy --out logits.npy --reference model.onnx
+  torchrun --nproc-per-node 2 tools/run_tp.py a_tp2/ b_tp2/ --tokens ids.npy --out a.npy b.npy   # one launch
+  python tools/run_tp.py tp2/ --tokens ids.npy --out logits.npy --simulate       # all ranks in one process
+  torchrun --nproc-per-node 8 tools/run_tp.py tp8/ --tokens ids.npy --out logits.npy --backend trt   # GPUs
+
+--tokens is an int64 .npy of token ids [batch, seq]; rank 0 writes float32 logits to --out. The ORT
+backend runs each rank graph in ONNX Runtime, cut at its DistCollective nodes (runtime/tp.py); the trt
+backend runs one TensorRT engine per rank with an NCCL communicator (runtime/tp_trt.py, needs GPUs;
+engines default to DIR/rank{r}/model.engine, or --engines 'engines/rank{rank}.engine').
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import numpy as np
+
+from passes.errors import UserError, run_cli
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("dirs", nargs="+", type=Path, help="folder(s) written by tools/shard_tp.py (tp.json)")
+    parser.add_argument("--tokens", type=Path, required=True, help="int64 .npy token ids [batch, seq]")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        nargs="+",
+        required=True,
+        help="where rank 0 writes the float32 logits (.npy), one per folder",
+    )
+    parser.add_argument("--backend", choices=("ort", "trt"), default="ort")
+    parser.add_argument("--engines", default=None, help="trt: engine path pattern with {rank}")
+    parser.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads per rank")
+    parser.add_argument("--simulate", action="store_true", help="run every rank in this one process")
+    parser.add_argument(
+        "--reference",
+        type=Path,
+        nargs="+",
+        help="single-device model(s), one per folder: rank 0 prints the relative error",
+    )
+    return parser
+
+
+def load_tokens(path: Path) -> np.ndarray:
+    if not path.is_file():
+        raise UserError(f"tokens file {path} does not exist")
+    tokens = np.load(path)
+    if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
+        raise UserError(f"{path}: expected integer token ids [batch, seq], got {tokens.dtype} {tokens.shape}")
+    return tokens.astype(np.int64)
+
+
+def _reference_error(model: Path, tokens: np.ndarray, logits: np.ndarray) -> float:
+    import onnxruntime as ort
+
+    from runtime.tp import relative_error
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    session = ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
+    reference = session.run(None, {session.get_inputs()[0].name: tokens})[0]
+    return relative_error(logits, reference)
+
+
+def run_one(args: argparse.Namespace, directory: Path, tokens: np.ndarray) -> np.ndarray | None:
+    if args.simulate:
+        from runtime.tp import run_simulated
+
+        return run_simulated(directory, tokens, threads=args.threads)
+    if args.backend == "trt":
+        from runtime.tp_trt import run_distributed_trt
+
+        return run_distributed_trt(directory, tokens, engine_pattern=args.engines)
+    from runtime.tp import run_distributed
+
+    return run_distributed(directory, tokens, threads=args.threads)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if len(args.out) != len(args.dirs):
+        raise UserError(f"give one --out per folder ({len(args.dirs)} folders, {len(args.out)} outputs)")
+    if args.reference is not None and len(args.reference) != len(args.dirs):
+        raise UserError(f"give one --reference per folder ({len(args.dirs)} folders)")
+    tokens = load_tokens(args.tokens)
+    rank = 0 if args.simulate else int(os.environ.get("RANK", "0"))
+    for k, (directory, out) in enumerate(zip(args.dirs, args.out, strict=True)):
+        logits = run_one(args, directory, tokens)
+        if rank == 0 and logits is not None:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            np.save(out, logits.astype(np.float32))
+            print(f"rank 0: {directory}: logits {list(logits.shape)} -> {out}")
+            if args.reference is not None:
+                error = _reference_error(args.reference[k], tokens, logits)
+                print(f"relative error vs {args.reference[k]}: {error:.3e}")
+    if not args.simulate:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)

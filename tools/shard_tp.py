@@ -1,0 +1,92 @@
+"""Split an ONNX model into tensor-parallel rank graphs, or count its all-reduces per forward pass.
+
+Examples:
+  python tools/shard_tp.py model.onnx --tp 8 --out tp8/
+  python tools/shard_tp.py model.fused.onnx --tp 8 --out tp8/ --lm-head vocab
+  python tools/shard_tp.py model.onnx model.fused.onnx --count
+
+Writes DIR/rank{r}/model.onnx (+ model.onnx.data) for r = 0..N-1 and DIR/tp.json (N, the rank files,
+all-reduces per forward). Run the ranks on CPU with
+  torchrun --nproc-per-node N tools/run_tp.py DIR --tokens ids.npy --out logits.npy
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from passes.errors import UserError, run_cli
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("models", nargs="+", type=Path, help="ONNX model(s); one unless --count")
+    parser.add_argument("--tp", type=int, help="number of ranks: 1, 2, 4 or 8")
+    parser.add_argument("--out", type=Path, help="output folder for the rank graphs and tp.json")
+    parser.add_argument(
+        "--lm-head",
+        choices=("replicated", "vocab"),
+        default="replicated",
+        help="replicate the lm_head (default) or split it by vocabulary with an all-gather",
+    )
+    parser.add_argument(
+        "--external-data",
+        choices=("auto", "yes", "no"),
+        default="auto",
+        help="weights in model.onnx.data: auto = when the source has external data or is large",
+    )
+    parser.add_argument("--count", action="store_true", help="only print all-reduces per forward pass")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    return parser
+
+
+def _plan_note(path: Path) -> str:
+    from passes.model_io import load_proto
+
+    for prop in load_proto(path).metadata_props:
+        if prop.key == "ffn_fusion.plan":
+            plan = json.loads(prop.value)
+            removed = sum(j - i for i, j in plan.get("groups", []))
+            return f" (fused: {len(plan['groups'])} group(s), {removed} FFN all-reduce(s) removed)"
+    return ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from passes.shard import count_allreduces, shard_file
+
+    if args.count:
+        for path in args.models:
+            if not path.is_file():
+                raise UserError(f"model {path} does not exist")
+            print(f"{path}: {count_allreduces(path)} all-reduces per forward pass{_plan_note(path)}")
+        return 0
+    if len(args.models) != 1:
+        raise UserError("give one model to shard (several only with --count)")
+    if args.tp is None or args.out is None:
+        raise UserError("sharding needs --tp N and --out DIR")
+    model = args.models[0]
+    if not model.is_file():
+        raise UserError(f"model {model} does not exist")
+    external = {"auto": None, "yes": True, "no": False}[args.external_data]
+    before = count_allreduces(model)
+    print(f"{model}: {before} all-reduces per forward pass{_plan_note(model)}")
+    report = shard_file(
+        model,
+        args.tp,
+        args.out,
+        lm_head=args.lm_head,
+        external_data=external,
+        progress=not args.quiet and sys.stderr.isatty(),
+    )
+    for line in report.lines():
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)
