@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from passes.errors import UserError, run_cli
+from passes.shard import rank_onnx_files
 
 DEFAULT_CALIB_DIR = Path("/usr/share/common-licenses")
 SMOLLM2_VOCAB = 49152
@@ -129,8 +130,6 @@ def resolve_models(paths: list[Path], tp: int) -> list[Path]:
 def rank_files(folder: Path) -> list[Path]:
     """tools/shard_tp.py's folder (tp.json + rank{r}/model.onnx), else the folder's rank*.onnx."""
     if (folder / "tp.json").is_file():
-        from passes.shard import rank_onnx_files
-
         return rank_onnx_files(folder)
     ranks = sorted(folder.glob("rank*.onnx"), key=lambda p: (len(p.stem), p.stem))
     if not ranks:
@@ -147,13 +146,8 @@ def artifact_stem(path: Path) -> str:
 
 def shard_hook(model: Path, tp: int, out: Path) -> list[Path]:
     """Split one (already quantized) model into per-rank graphs with passes.shard (FP8 Q/DQ shards too)."""
-    try:
-        from passes.shard import shard_model
-    except ImportError:
-        raise UserError(
-            f"--tp {tp} on one model needs the sharding pass (passes/shard.py), which is not available; "
-            "pass the per-rank ONNX files instead"
-        ) from None
+    from passes.shard import shard_model
+
     step(f"sharding {model.name} over {tp} ranks into {out / 'ranks'}")
     return [Path(p) for p in shard_model(model, tp, out / "ranks")]
 
