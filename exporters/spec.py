@@ -13,6 +13,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from passes.blocks import attention_free_runs  # noqa: F401  (re-exported: part of the spec API)
 from passes.errors import UserError
 
 # The paper's rounding granularity for FFN widths (DESIGN 6: ceil256).
@@ -139,19 +140,6 @@ def save_spec(spec: ModelSpec, path: str | os.PathLike) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(spec.to_dict(), f, indent=1)
         f.write("\n")
-
-
-def attention_free_runs(attention: list[bool]) -> list[tuple[int, int]]:
-    """Maximal runs [i, j] (inclusive) of consecutive blocks without attention."""
-    runs: list[tuple[int, int]] = []
-    start: int | None = None
-    for i, has_attention in enumerate([*attention, True]):
-        if not has_attention and start is None:
-            start = i
-        elif has_attention and start is not None:
-            runs.append((start, i - 1))
-            start = None
-    return runs
 
 
 def format_runs(runs: list[tuple[int, int]]) -> str:

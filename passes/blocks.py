@@ -199,14 +199,14 @@ def _layer_name(node: ir.Node | None) -> str | None:
     return None
 
 
-def attention_free_runs(blocks: list[Block]) -> list[tuple[int, int]]:
-    """Maximal runs [i, j] of consecutive attention-free blocks (inclusive)."""
+def attention_free_runs(attention: list[bool]) -> list[tuple[int, int]]:
+    """Maximal runs [i, j] (inclusive) of consecutive blocks without attention, from per-block flags."""
     runs: list[tuple[int, int]] = []
-    for block in blocks:
-        if block.attention:
+    for index, has_attention in enumerate(attention):
+        if has_attention:
             continue
-        if runs and runs[-1][1] == block.index - 1:
-            runs[-1] = (runs[-1][0], block.index)
+        if runs and runs[-1][1] == index - 1:
+            runs[-1] = (runs[-1][0], index)
         else:
-            runs.append((block.index, block.index))
+            runs.append((index, index))
     return runs

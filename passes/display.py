@@ -11,7 +11,8 @@ def stream_map(blocks: list[Block]) -> str:
 
 
 def format_runs(blocks: list[Block]) -> str:
-    runs = [f"{i}-{j} ({j - i + 1} blocks)" for i, j in attention_free_runs(blocks) if j > i]
+    runs = attention_free_runs([b.attention for b in blocks])
+    runs = [f"{i}-{j} ({j - i + 1} blocks)" for i, j in runs if j > i]
     return ", ".join(runs) if runs else "none"
 
 
