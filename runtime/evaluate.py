@@ -1,0 +1,155 @@
+"""Quality of a fused model against its original on held-out text (ONNX Runtime, CPU).
+
+For each set of fixed-length token windows, both models run on the same batches and we report:
+- perplexity of each: exp(mean negative log-likelihood of token t+1 given tokens <= t), within windows;
+- top-1 agreement: the fraction of positions where both models' most likely next token is the same;
+- KL(original || fused): mean over positions of sum_v p_orig(v) (log p_orig(v) - log p_fused(v)), nats;
+- logits cosine: mean over positions of the cosine between the two logit vectors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from passes.analysis import input_feed, session
+from passes.errors import UserError
+from passes.model_io import load_proto
+from runtime.text import TextSet
+
+METRICS = ("tokens", "ppl_original", "ppl_fused", "top1_agreement", "kl", "logits_cosine")
+
+
+@dataclass
+class QualityResult:
+    name: str
+    tokens: int  # positions compared (perplexity uses the windows' next-token positions)
+    ppl_original: float
+    ppl_fused: float
+    top1_agreement: float
+    kl: float
+    logits_cosine: float
+
+    def row(self) -> dict:
+        return asdict(self)
+
+
+class _Sums:
+    """Running sums over positions, so that memory stays at one batch of logits."""
+
+    def __init__(self) -> None:
+        self.nll = np.zeros(2)
+        self.predicted = 0
+        self.positions = 0
+        self.agree = 0
+        self.kl = 0.0
+        self.cos = 0.0
+
+    def add(self, ids: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
+        la, lb = _log_softmax(a), _log_softmax(b)
+        if ids.shape[-1] > 1:
+            targets = ids[..., 1:, None]
+            for k, lp in enumerate((la, lb)):
+                self.nll[k] -= np.take_along_axis(lp[..., :-1, :], targets, axis=-1).sum()
+            self.predicted += targets.size
+        self.positions += ids.size
+        self.agree += int((a.argmax(-1) == b.argmax(-1)).sum())
+        self.kl += float((np.exp(la) * (la - lb)).sum())
+        a64, b64 = a.astype(np.float64), b.astype(np.float64)
+        dots = np.einsum("...v,...v->...", a64, b64)
+        norms = np.linalg.norm(a64, axis=-1) * np.linalg.norm(b64, axis=-1)
+        self.cos += float((dots / np.maximum(norms, 1e-300)).sum())
+
+    def merge(self, other: _Sums) -> None:
+        self.nll += other.nll
+        for key in ("predicted", "positions", "agree", "kl", "cos"):
+            setattr(self, key, getattr(self, key) + getattr(other, key))
+
+    def result(self, name: str) -> QualityResult:
+        ppl = np.exp(self.nll / max(self.predicted, 1)) if self.predicted else np.full(2, np.nan)
+        n = max(self.positions, 1)
+        return QualityResult(
+            name, self.positions, float(ppl[0]), float(ppl[1]), self.agree / n, self.kl / n, self.cos / n
+        )
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float64)
+    x -= x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+class Evaluator:
+    """Both models' ORT sessions, opened once; `compare` runs one set of windows through both."""
+
+    def __init__(self, original: str | Path, fused: str | Path):
+        self.paths = (Path(original), Path(fused))
+        self.protos = [load_proto(p) for p in self.paths]
+        self.sessions = [session(proto, p.parent) for proto, p in zip(self.protos, self.paths, strict=True)]
+
+    def logits(self, k: int, ids: np.ndarray) -> np.ndarray:
+        logits = self.sessions[k].run(None, input_feed(self.protos[k], ids))[0]
+        return logits.reshape(*ids.shape, -1)
+
+    def compare(self, text: TextSet, batch: int = 4, progress: bool = True) -> QualityResult:
+        return self.sums(text, batch, progress).result(text.name)
+
+    def sums(self, text: TextSet, batch: int = 4, progress: bool = True) -> _Sums:
+        sums = _Sums()
+        flat = len(self.protos[0].graph.input[0].type.tensor_type.shape.dim) == 1
+        step = 1 if flat else batch  # a flat model ([seq] input) takes one window at a time
+        bar = tqdm(
+            total=len(text.windows),
+            desc=f"evaluate {text.name}",
+            unit="win",
+            disable=not progress,
+            leave=False,
+        )
+        for start in range(0, len(text.windows), step):
+            ids = text.windows[start : start + step]
+            a, b = self.logits(0, ids), self.logits(1, ids)
+            if a.shape != b.shape:
+                raise UserError(f"the models' logits differ in shape: {a.shape} vs {b.shape}")
+            sums.add(ids, a, b)
+            bar.update(len(ids))
+        bar.close()
+        return sums
+
+
+def evaluate(
+    original: str | Path,
+    fused: str | Path,
+    texts: Sequence[TextSet],
+    batch: int = 4,
+    progress: bool = True,
+    log: Callable[[str], None] = lambda message: None,
+) -> list[QualityResult]:
+    """One result per text set, plus "all" (pooled over all positions) when there are several."""
+    evaluator = Evaluator(original, fused)
+    results, pooled = [], _Sums()
+    for text in texts:
+        log(f"{text.name}: {text.tokens} tokens in {len(text.windows)} windows from {', '.join(text.files)}")
+        sums = evaluator.sums(text, batch, progress)
+        results.append(sums.result(text.name))
+        pooled.merge(sums)
+    if len(results) > 1:
+        results.append(pooled.result("all"))
+    return results
+
+
+def format_table(results: Sequence[QualityResult]) -> str:
+    header = (
+        f"{'text':<8} {'tokens':>7} {'ppl orig':>9} {'ppl fused':>9} {'top-1 agree':>11} "
+        f"{'KL(o||f)':>9} {'cos':>8}"
+    )
+    lines = [header, "-" * len(header)]
+    for r in results:
+        lines.append(
+            f"{r.name:<8} {r.tokens:>7} {r.ppl_original:>9.3f} {r.ppl_fused:>9.3f} {r.top1_agreement:>11.4f} "
+            f"{r.kl:>9.4f} {r.logits_cosine:>8.5f}"
+        )
+    return "\n".join(lines)

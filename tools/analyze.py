@@ -1,0 +1,134 @@
+"""Block dependency analysis and a fusion plan: writes DIR/analysis.json, dependency.png and plan.json."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+from passes.analysis import BlockRunner, analyze, plot_dependency
+from passes.blocks import find_blocks
+from passes.errors import run_cli
+from passes.model_io import load_model
+from passes.plan import NORM_MODES, validate_plan
+from passes.propose import DEFAULT_THRESHOLD, NormChoice, choose_norm, propose
+from runtime.text import calibration_tokens, windows
+
+EPILOG = """\
+examples:
+  analyze.py model.onnx --out analysis/                     default calibration text, 128 tokens
+  analyze.py model.onnx --out analysis/ --tokens ids.npy    your own token ids (any integer .npy)
+  analyze.py model.onnx --out analysis/ --max-group 4 --threshold 0.15
+  fuse_onnx.py model.onnx analysis/plan.json                then fuse with the proposed plan
+
+calibration text: --text FILE..., else /usr/share/common-licenses/Apache-2.0 when the model's tokenizer
+is known (SmolLM2), else seeded random token ids. tools/evaluate.py uses other texts by default.
+"""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="analyze.py",
+        description=__doc__,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("model", type=Path, help="ONNX decoder (external data beside it is read in place)")
+    parser.add_argument("--out", type=Path, required=True, metavar="DIR", help="output folder")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--tokens", type=Path, metavar="IDS.npy", help="calibration token ids (.npy)")
+    source.add_argument("--text", type=Path, nargs="+", metavar="FILE", help="calibration text file(s)")
+    parser.add_argument("--num-tokens", type=int, default=128, help="calibration tokens used (default 128)")
+    parser.add_argument("--window", type=int, default=128, help="tokens per sequence (default 128)")
+    parser.add_argument("--max-group", type=int, help="most blocks in one group")
+    parser.add_argument("--max-width", type=int, help="largest intermediate width of a fused FFN")
+    parser.add_argument(
+        "--threshold",
+        type=float,
+        default=DEFAULT_THRESHOLD,
+        help=f"largest pairwise dependency allowed inside a group (default {DEFAULT_THRESHOLD})",
+    )
+    parser.add_argument(
+        "--start-at-attention",
+        action="store_true",
+        help="let a group start at the attention block before a run (its FFN joins; default: off)",
+    )
+    parser.add_argument(
+        "--norm",
+        choices=("auto", *NORM_MODES),
+        default="auto",
+        help="norm mode of the plan: auto (default) fuses with both and keeps the lower logits error",
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    args = parser.parse_args(argv)
+    for name in ("num_tokens", "window"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    start = time.perf_counter()
+    args.out.mkdir(parents=True, exist_ok=True)
+    runner = BlockRunner(args.model)
+    ids, source = calibration_tokens(runner.vocab, args.num_tokens, args.text, args.tokens)
+    tokens = windows(ids, args.window)
+    print(f"calibration: {source} ({tokens.shape[0]} x {tokens.shape[1]})")
+    analysis = analyze(args.model, tokens, runner=runner, progress=not args.quiet)
+    elapsed = time.perf_counter() - start
+    print(
+        f"analysis: {len(runner.blocks)} blocks, {analysis.tokens} tokens, "
+        f"{analysis.block_evaluations} block evaluations in {elapsed:.1f} s"
+    )
+    reference_logits = runner.logits
+    runner.close()
+    del runner  # its subgraphs and sessions hold the weights; the trial fusions load them again
+    gc.collect()
+    attention = [b.attention for b in analysis.blocks]
+    proposal = propose(
+        attention,
+        [b.ffn_width for b in analysis.blocks],
+        analysis.dependency,
+        threshold=args.threshold,
+        max_group=args.max_group,
+        max_width=args.max_width,
+        start_at_attention=args.start_at_attention,
+    )
+    print("\n".join(proposal.lines()))
+    groups = [g.group for g in proposal.groups]
+    if args.norm == "auto":
+        norm = choose_norm(
+            args.model, groups, tokens, args.out, reference_logits, log=lambda m: print(m, file=sys.stderr)
+        )
+        print("\n".join(norm.lines()) if groups else "empty plan: norm mode 'last'")
+    else:
+        norm = NormChoice(chosen=args.norm)
+    plan = proposal.plan(norm.chosen)
+    validate_plan(plan, find_blocks(load_model(args.model)))
+    report = {
+        "model": str(args.model),
+        "calibration": source,
+        **analysis.to_json(),
+        "seconds_analysis": round(elapsed, 2),
+        "seconds_total": round(time.perf_counter() - start, 2),
+        "proposal": proposal.to_json(),
+        "norm_errors": norm.errors,
+        "plan": json.loads(plan.to_json()),
+    }
+    (args.out / "analysis.json").write_text(json.dumps(report, indent=1) + "\n")
+    (args.out / "plan.json").write_text(plan.to_json() + "\n")
+    shown = ", ".join(f"[{i}, {j}]" for i, j in groups) or "none"
+    title = f"Block dependency: {args.model.name} ({analysis.tokens} tokens)\nproposed groups: {shown}"
+    plot_dependency(analysis.dependency, attention, groups, args.out / "dependency.png", title)
+    print(f"plan: {plan.to_json()}")
+    print(f"wrote {args.out / 'analysis.json'}, {args.out / 'dependency.png'}, {args.out / 'plan.json'}")
+    print(f"total time {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)
