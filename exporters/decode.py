@@ -1,0 +1,472 @@
+"""Decode graphs: one ONNX graph with a KV cache that serves both prefill and single-token decode.
+
+Graph interface (all dims but kv_heads, head_dim and vocab are dynamic):
+
+    inputs   input_ids        int64   [batch, seq]
+             attention_mask   int64   [batch, past_len + seq]   1 = real token, 0 = (left) padding
+             past_key_<L>     float32 [batch, kv_heads, past_len, head_dim]   for attention layers L only
+             past_value_<L>   float32 [batch, kv_heads, past_len, head_dim]
+    outputs  logits           float32 [batch, seq, vocab]
+             present_key_<L>  float32 [batch, kv_heads, past_len + seq, head_dim]   (past ++ new keys)
+             present_value_<L>
+
+Past tensors come in layer order, key before value. `past_len` may be 0 (prefill from an empty cache).
+Rotary positions are computed inside from the mask, the way Hugging Face generation does it:
+position = cumsum(attention_mask) - 1 (0 on padding), so left-padded batches rotate each row from its
+own first real token. A query attends to cache slots that are not padding and not in its future.
+Attention-free blocks (DeciLM / Puzzle) have no cache tensors at all: the paper's halved KV memory.
+Layer numbers L are the source model's block indices (they stay the same after fusion).
+
+The wrapper reuses exporters.llama's RMSNorm and MLP and keeps SpecLlama's parameter names
+(model.layers.N.self_attn.q_proj, ...), so a SpecLlama's or a Hugging Face Llama's state dict loads as
+is and the residual stream (embedding Gather -> residual Adds -> final norm) is the one passes.blocks
+walks in the prefill-only export.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import os
+import time
+import warnings
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import onnx_ir as ir
+import torch
+from torch import nn
+
+from exporters.llama import MLP, RMSNorm, build_model, rotate_half
+from exporters.spec import BlockSpec, ModelSpec
+
+# Same as exporters.onnx_export.EXTERNAL_DATA_THRESHOLD: above it the weights go to `<name>.data`.
+EXTERNAL_DATA_THRESHOLD = 2**31 - 2**26
+# Metadata key of the decode graph description (JSON); fusion keeps model metadata.
+METADATA_KEY = "ffn_fusion.decode"
+FORMAT = "ffn-fusion-decode/1"
+# Tracing example: batch 2, 7 new tokens after 3 cached ones (no dim 0 or 1, so none is specialized).
+EXAMPLE_BATCH, EXAMPLE_SEQ, EXAMPLE_PAST = 2, 7, 3
+PRUNED_BLOCKS: tuple[int, ...] = tuple(range(13, 23))
+
+
+def past_names(layer: int) -> tuple[str, str]:
+    return f"past_key_{layer}", f"past_value_{layer}"
+
+
+def present_names(layer: int) -> tuple[str, str]:
+    return f"present_key_{layer}", f"present_value_{layer}"
+
+
+class CachedAttention(nn.Module):
+    """exporters.llama.Attention (same parameters) with an explicit past K/V concatenated in front."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = spec.heads, spec.kv_heads, spec.resolved_head_dim
+        self.q_proj = nn.Linear(spec.hidden, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(spec.hidden, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(spec.hidden, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, spec.hidden, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        bias: torch.Tensor,
+        past_k: torch.Tensor,
+        past_v: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q = self.q_proj(x).unflatten(-1, (self.heads, self.head_dim)).transpose(1, 2)  # b, h, s, d
+        k = self.k_proj(x).unflatten(-1, (self.kv_heads, self.head_dim)).transpose(1, 2)  # b, kv, s, d
+        v = self.v_proj(x).unflatten(-1, (self.kv_heads, self.head_dim)).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        k_all = torch.cat((past_k, k), dim=2)  # b, kv, past + s, d
+        v_all = torch.cat((past_v, v), dim=2)
+        q = q.unflatten(1, (self.kv_heads, self.heads // self.kv_heads))  # b, kv, groups, s, d
+        scores = torch.matmul(q, k_all.unsqueeze(2).transpose(-1, -2)) * (self.head_dim**-0.5) + bias
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.matmul(probs, v_all.unsqueeze(2)).flatten(1, 2)  # b, h, s, d
+        return self.o_proj(out.transpose(1, 2).flatten(2)), k_all, v_all
+
+
+class CachedBlock(nn.Module):
+    """exporters.llama.DecoderBlock with a cache: same parameter names, attention optional."""
+
+    def __init__(self, spec: ModelSpec, index: int) -> None:
+        super().__init__()
+        self.has_attention = spec.blocks[index].attention
+        if self.has_attention:
+            self.input_layernorm = RMSNorm(spec.hidden, spec.eps)
+            self.self_attn = CachedAttention(spec)
+        self.post_attention_layernorm = RMSNorm(spec.hidden, spec.eps)
+        self.mlp = MLP(spec.hidden, spec.blocks[index].ffn_width)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        bias: torch.Tensor,
+        past: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> tuple[torch.Tensor, tuple | None]:
+        present = None
+        if self.has_attention:
+            assert past is not None
+            attn, k_all, v_all = self.self_attn(self.input_layernorm(x), cos, sin, bias, *past)
+            x = x + attn
+            present = (k_all, v_all)
+        return x + self.mlp(self.post_attention_layernorm(x)), present
+
+
+class CachedBackbone(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab, spec.hidden)
+        self.layers = nn.ModuleList(CachedBlock(spec, i) for i in range(spec.n_blocks))
+        self.norm = RMSNorm(spec.hidden, spec.eps)
+        head_dim = spec.resolved_head_dim
+        inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+
+class DecodeLlama(nn.Module):
+    """forward(input_ids, attention_mask, *past) -> (logits, *present); see the module docstring."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.model = CachedBackbone(spec)
+        self.lm_head = nn.Linear(spec.hidden, spec.vocab, bias=False)
+        if spec.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def cache_layers(self) -> list[int]:
+        return [i for i, b in enumerate(self.spec.blocks) if b.attention]
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *past: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        seq = input_ids.shape[1]
+        total = attention_mask.shape[1]
+        past_len = total - seq
+        valid = attention_mask > 0
+        positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, past_len:].to(torch.float32)  # b, s
+        freqs = positions[:, :, None] * self.model.inv_freq[None, None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = angles.cos()[:, None], angles.sin()[:, None]  # b, 1, s, d
+        query_slot = torch.arange(seq, device=input_ids.device) + past_len  # cache slot of each query
+        key_slot = torch.arange(total, device=input_ids.device)
+        allowed = (key_slot[None, :] <= query_slot[:, None])[None] & valid[:, None, :]  # b, s, total
+        # A finite "minus infinity": a padding query that sees no key gets a uniform (not NaN) softmax.
+        bias = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)[:, None, None]  # b, 1, 1, s, t
+        x = self.model.embed_tokens(input_ids)
+        presents: list[torch.Tensor] = []
+        cache = iter(past)
+        for layer in self.model.layers:
+            layer_past = (next(cache), next(cache)) if layer.has_attention else None
+            x, present = layer(x, cos, sin, bias, layer_past)
+            if present is not None:
+                presents.extend(present)
+        logits = self.lm_head(self.model.norm(x)).float()
+        return (logits, *presents)
+
+
+# ------------------------------------------------------------------------------------------ building
+
+
+def decode_model_from_spec(spec: ModelSpec, seed: int = 0) -> DecodeLlama:
+    """The decode wrapper holding exactly the weights of `exporters.llama.build_model(spec, seed)`."""
+    return decode_model_from(build_model(spec, seed))
+
+
+def decode_model_from(source: nn.Module) -> DecodeLlama:
+    """A DecodeLlama with the weights of a SpecLlama or a Hugging Face LlamaForCausalLM (eval mode)."""
+    spec = getattr(source, "spec", None)
+    if not isinstance(spec, ModelSpec):
+        spec = spec_from_hf(source)
+    model = DecodeLlama(spec)
+    state = {k: v for k, v in source.state_dict().items() if not k.endswith("rotary_emb.inv_freq")}
+    model.load_state_dict(state, strict=True)
+    return model.eval()
+
+
+def spec_from_hf(model: nn.Module) -> ModelSpec:
+    """The ModelSpec of a Hugging Face Llama (layers replaced by AttentionFreeDecoderLayer lack attention)."""
+    config = model.config
+    rope = getattr(config, "rope_parameters", None) or {}
+    rope_type = rope.get("rope_type", "default")
+    if rope_type != "default":
+        raise ValueError(f"rope type {rope_type!r} is not supported by the decode exporter (only 'default')")
+    theta = rope.get("rope_theta", getattr(config, "rope_theta", None))
+    blocks = [
+        BlockSpec(attention=hasattr(layer, "self_attn"), ffn_width=layer.mlp.gate_proj.out_features)
+        for layer in model.model.layers
+    ]
+    return ModelSpec(
+        hidden=config.hidden_size,
+        heads=config.num_attention_heads,
+        kv_heads=config.num_key_value_heads,
+        vocab=config.vocab_size,
+        blocks=blocks,
+        eps=float(config.rms_norm_eps),
+        rope_theta=float(theta),
+        tie_embeddings=bool(config.tie_word_embeddings),
+        head_dim=getattr(config, "head_dim", None),
+    )
+
+
+def empty_past(spec: ModelSpec, batch: int, past_len: int = 0) -> list[torch.Tensor]:
+    """Zero past tensors for every attention layer, key then value."""
+    shape = (batch, spec.kv_heads, past_len, spec.resolved_head_dim)
+    return [torch.zeros(shape) for b in spec.blocks if b.attention for _ in range(2)]
+
+
+# ------------------------------------------------------------------------------------------ exporting
+
+
+@dataclass
+class DecodeExport:
+    """What `export_decode` wrote."""
+
+    path: Path
+    files: list[Path]
+    bytes: int
+    seconds: float
+    spec: ModelSpec
+    cache_layers: list[int] = field(default_factory=list)
+
+    @property
+    def input_names(self) -> list[str]:
+        return ["input_ids", "attention_mask", *[n for i in self.cache_layers for n in past_names(i)]]
+
+    @property
+    def output_names(self) -> list[str]:
+        return ["logits", *[n for i in self.cache_layers for n in present_names(i)]]
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[io.StringIO]:
+    """Swallow the exporter's progress prints, warnings and info logs; yields what was printed."""
+    buffer = io.StringIO()
+    names = (
+        "torch.onnx",
+        "torch.export",
+        "torch._dynamo",
+        "onnxscript",
+        "torch.fx.experimental.symbolic_shapes",
+    )
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    try:
+        for lg in loggers:
+            lg.setLevel(logging.ERROR)
+        with warnings.catch_warnings(), contextlib.redirect_stdout(buffer):
+            warnings.simplefilter("ignore")
+            yield buffer
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+
+
+def export_decode(
+    model: DecodeLlama,
+    path: str | os.PathLike,
+    *,
+    opset: int | None = None,
+    external_data_threshold: int = EXTERNAL_DATA_THRESHOLD,
+) -> DecodeExport:
+    """Export a DecodeLlama through torch.onnx's dynamo exporter (see the module docstring for the I/O)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    model.eval()
+    spec, layers = model.spec, model.cache_layers
+    ids = torch.zeros((EXAMPLE_BATCH, EXAMPLE_SEQ), dtype=torch.int64)
+    mask = torch.ones((EXAMPLE_BATCH, EXAMPLE_PAST + EXAMPLE_SEQ), dtype=torch.int64)
+    past = empty_past(spec, EXAMPLE_BATCH, EXAMPLE_PAST)
+    inputs = ["input_ids", "attention_mask", *[n for i in layers for n in past_names(i)]]
+    outputs = ["logits", *[n for i in layers for n in present_names(i)]]
+    # forward(*past) takes the past tensors as one tuple argument: its dynamic shapes are a tuple too.
+    dynamic = (
+        {0: "batch", 1: "seq"},
+        {0: "batch", 1: "total"},
+        tuple({0: "batch", 2: "past_len"} for _ in past),
+    )
+    start = time.perf_counter()
+    with _quiet() as printed, torch.no_grad():
+        try:
+            program = torch.onnx.export(
+                model,
+                (ids, mask, *past),
+                dynamo=True,
+                opset_version=opset,
+                optimize=True,
+                input_names=inputs,
+                output_names=outputs,
+                dynamic_shapes=dynamic,
+                verbose=False,
+                report=False,
+            )
+        except Exception as exc:
+            raise RuntimeError(f"torch.onnx.export failed: {exc}\n{printed.getvalue()}") from exc
+    onnx_model = program.model
+    _name_dims(onnx_model)
+    onnx_model.metadata_props[METADATA_KEY] = json.dumps(
+        {
+            "format": FORMAT,
+            "cache_layers": layers,
+            "kv_heads": spec.kv_heads,
+            "head_dim": spec.resolved_head_dim,
+            "vocab": spec.vocab,
+            "n_blocks": spec.n_blocks,
+        }
+    )
+    files = _save(onnx_model, path, external_data_threshold)
+    return DecodeExport(
+        path=path,
+        files=files,
+        bytes=sum(f.stat().st_size for f in files),
+        seconds=time.perf_counter() - start,
+        spec=spec,
+        cache_layers=layers,
+    )
+
+
+def _save(model: ir.Model, path: Path, threshold: int) -> list[Path]:
+    data_name = f"{path.name}.data"
+    data_path = path.parent / data_name
+    weights = sum(
+        v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None
+    )
+    if weights > threshold:
+        ir.save(model, path, external_data=data_name)
+        return [path, data_path]
+    data_path.unlink(missing_ok=True)  # a stale one from an earlier export would mislead
+    ir.save(model, path)
+    return [path]
+
+
+def _name_dims(model: ir.Model) -> None:
+    """Give the dynamic dims of inputs and outputs readable names: batch, seq, past_len, total."""
+    graph = model.graph
+    names: dict[str, str] = {}
+    wanted = [(graph.inputs[0], {0: "batch", 1: "seq"}), (graph.inputs[1], {1: "total"})]
+    wanted += [(v, {2: "past_len"}) for v in graph.inputs[2:3]]
+    for value, dims in wanted:
+        for axis, name in dims.items():
+            dim = value.shape[axis]
+            if isinstance(dim, ir.SymbolicDim) and dim.value is not None:
+                names.setdefault(dim.value, name)
+    for value in [*graph.inputs, *graph.outputs]:
+        if value.shape is None:
+            continue
+        value.shape = ir.Shape([_renamed(d, names) for d in value.shape])
+
+
+def _renamed(dim: object, names: dict[str, str]) -> object:
+    if not isinstance(dim, ir.SymbolicDim) or dim.value is None:
+        return dim
+    text = dim.value
+    for old, new in sorted(names.items(), key=lambda kv: -len(kv[0])):
+        text = text.replace(old, new) if old != new else text
+    return ir.SymbolicDim("total" if text in ("past_len + seq", "seq + past_len") else text)
+
+
+def export_spec_decode(spec: ModelSpec, path: str | os.PathLike, seed: int = 0, **kwargs) -> DecodeExport:
+    """The decode graph of `build_model(spec, seed)` (the same weights as export_spec_model's)."""
+    return export_decode(decode_model_from_spec(spec, seed), path, **kwargs)
+
+
+def export_smollm2_decode(
+    path: str | os.PathLike, drop_attention: Iterable[int] = PRUNED_BLOCKS, **kwargs
+) -> DecodeExport:
+    """The decode graph of SmolLM2-135M-Instruct with attention removed from `drop_attention` (13-22)."""
+    from exporters import smollm2
+
+    model = smollm2.remove_attention(smollm2.load_model(), drop_attention)
+    return export_decode(decode_model_from(model), path, **kwargs)
+
+
+def read_metadata(model: ir.Model) -> dict | None:
+    """The decode description written by export_decode, or None for other graphs."""
+    text = model.metadata_props.get(METADATA_KEY)
+    return json.loads(text) if text else None
+
+
+# ------------------------------------------------------------------------------------------ TensorRT
+
+
+def engine_profile(
+    onnx_path: str | os.PathLike, max_batch: int = 4, max_total: int = 2048, opt_total: int = 256
+) -> dict[str, tuple[tuple[int, ...], ...]]:
+    """min/opt/max shapes of every input of a decode graph; past_len runs from 0 (prefill) to max_total - 1.
+
+    (exporters.tensorrt_engine.Profile requires min >= 1, which an empty cache does not meet.)
+    """
+    import onnx
+
+    proto = onnx.load(str(onnx_path), load_external_data=False)
+    opt_total = max(1, min(opt_total, max_total))
+    shapes: dict[str, tuple[tuple[int, ...], ...]] = {}
+    for value in proto.graph.input:
+        dims = [d.dim_value for d in value.type.tensor_type.shape.dim]
+        if value.name == "input_ids":
+            shapes[value.name] = ((1, 1), (1, 1), (max_batch, max_total))
+        elif value.name == "attention_mask":
+            shapes[value.name] = ((1, 1), (1, opt_total), (max_batch, max_total))
+        elif value.name.startswith("past_"):
+            kv, head_dim = dims[1], dims[3]
+            shapes[value.name] = (
+                (1, kv, 0, head_dim),
+                (1, kv, opt_total - 1, head_dim),
+                (max_batch, kv, max_total - 1, head_dim),
+            )
+    return shapes
+
+
+def build_decode_engine(
+    onnx_path: str | os.PathLike,
+    engine_path: str | os.PathLike,
+    *,
+    max_batch: int = 4,
+    max_total: int = 2048,
+    compute_capability: str | None = None,
+    workspace_mb: int = 2048,
+) -> int:
+    """Build a TensorRT engine of a decode graph (one profile, see `engine_profile`); returns its bytes.
+
+    TensorRT-RTX builds ahead of time (sm89 by default) on a machine without a GPU; datacenter TensorRT
+    builds for the GPU it runs on. Run the engine with runtime.backends.TrtBackend.
+    """
+    from exporters import trt_shim
+    from exporters.tensorrt_engine import parse_onnx
+    from passes.errors import UserError
+
+    trt = trt_shim.load()
+    logger = trt.logger()
+    builder = trt.module.Builder(logger.handle)
+    network, _parser = parse_onnx(trt, builder, Path(onnx_path), logger)
+    config = builder.create_builder_config()
+    trt.set_target(config, compute_capability)
+    config.set_memory_pool_limit(trt.module.MemoryPoolType.WORKSPACE, int(workspace_mb) << 20)
+    if trt.dist_collective_layer_type() is not None:
+        kind = trt.dist_collective_layer_type()
+        if any(network.get_layer(i).type == kind for i in range(network.num_layers)):
+            trt.enable_dist_collective(config)
+    profile = builder.create_optimization_profile()
+    for name, (lo, opt, hi) in engine_profile(onnx_path, max_batch, max_total).items():
+        profile.set_shape(name, lo, opt, hi)
+    config.add_optimization_profile(profile)
+    plan = builder.build_serialized_network(network, config)
+    if plan is None or plan.nbytes == 0:
+        detail = " | ".join(logger.errors) or "no error message from TensorRT"
+        raise UserError(f"TensorRT could not build an engine from {onnx_path}: {detail}")
+    Path(engine_path).parent.mkdir(parents=True, exist_ok=True)
+    Path(engine_path).write_bytes(plan)
+    return int(plan.nbytes)

@@ -1,0 +1,55 @@
+"""Tiny decode-graph models shared by tests/exporters/test_decode.py, tests/runtime and tests/tools.
+
+Each model is exported on first use into `<session base temp>/decode_models/`, so the three test
+folders share one export per session. Import with `sys.path.insert(0, <tests folder>)` like fp8_fixtures.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from exporters.spec import BlockSpec, ModelSpec
+
+TINY_SEED = 1
+# Attention at blocks 0 and 4: groups [0, 2] and [4, 6] are valid (only a group's first block has attention).
+TINY_GROUPS = ((0, 2), (4, 6))
+TINY_CACHE_LAYERS = (0, 4)
+
+
+def tiny_spec() -> ModelSpec:
+    """Hidden 64, GQA 4:2, untied lm_head (so greedy tokens vary), every FFN width different."""
+    widths = [96, 64, 80, 48, 72, 56, 40]
+    attention = [True, False, False, False, True, False, False]
+    return ModelSpec(
+        hidden=64,
+        heads=4,
+        kv_heads=2,
+        vocab=96,
+        tie_embeddings=False,
+        blocks=[BlockSpec(a, w) for a, w in zip(attention, widths, strict=True)],
+    )
+
+
+def decode_models(base: Path, name: str) -> Path:
+    """Tiny model `name`: "decode", "prefill", "decode_fused" or "prefill_fused" (plan TINY_GROUPS, fold)."""
+    from exporters.decode import export_spec_decode
+    from exporters.onnx_export import export_spec_model
+    from passes.pipeline import fuse_file
+    from passes.plan import Plan
+
+    folder = base / "decode_models"
+    path = folder / f"tiny_{name}.onnx"
+    if path.exists():
+        return path
+    folder.mkdir(parents=True, exist_ok=True)
+    if name == "decode":
+        export_spec_decode(tiny_spec(), path, seed=TINY_SEED)
+    elif name == "prefill":
+        export_spec_model(tiny_spec(), path, seed=TINY_SEED)
+    elif name in ("decode_fused", "prefill_fused"):
+        source = decode_models(base, name.removesuffix("_fused"))
+        # passes/validate.py feeds input_ids only, so the decode graph is fused without its check.
+        fuse_file(source, Plan(TINY_GROUPS, "fold"), path, validate_output=name == "prefill_fused")
+    else:
+        raise KeyError(name)
+    return path
