@@ -4,6 +4,7 @@ Examples:
   python tools/export_model.py --smollm2 --drop-attention 13-22 -o smollm2_pruned.onnx
   python tools/export_model.py --super49b --hidden 64 -o super49b_tiny.onnx
   python tools/export_model.py --spec spec.json --seed 3 -o model.onnx
+  python tools/export_model.py --smollm2 --drop-attention 13-22 --decode -o smollm2_pruned_decode.onnx
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-heads", type=int, default=1, help="with --super49b: KV heads (default 1)")
     parser.add_argument("--vocab", type=int, default=256, help="with --super49b: vocabulary (default 256)")
     parser.add_argument("--seed", type=int, default=0, help="weight seed for --spec/--super49b (default 0)")
+    parser.add_argument("--decode", action="store_true",
+                        help="export the decode graph with a KV cache for attention blocks "
+                             "(inputs input_ids, attention_mask, past_key_<L>/past_value_<L>)")
     parser.add_argument("--opset", type=int, default=None, help="ONNX opset (default: the exporter's)")
     parser.add_argument("-o", "--output", required=True, metavar="OUT_ONNX", help="model file to write")
     return parser
@@ -78,8 +82,10 @@ def _check_options(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _check_options(args)
-    from exporters import onnx_export, spec
+    from exporters import decode, onnx_export, spec
 
+    if args.decode:
+        return export_decode_graph(args, decode, spec)
     notice = f"exporting to {args.output} (from seconds to a few minutes) ..."
     if args.smollm2:
         from exporters import smollm2
@@ -101,6 +107,26 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  blocks: {len(result.attention)}, with attention: {sum(result.attention)}")
     print(f"  attention-free runs: {spec.format_runs(result.attention_free_runs)}")
     print(f"  parameters: {result.parameters:,}")
+    return 0
+
+
+def export_decode_graph(args: argparse.Namespace, decode, spec) -> int:
+    print(f"exporting the decode graph to {args.output} (from seconds to a few minutes) ...", file=sys.stderr)
+    if args.smollm2:
+        from exporters import smollm2
+
+        blocks = smollm2.check_blocks(parse_blocks(args.drop_attention))
+        result = decode.export_smollm2_decode(args.output, blocks, opset=args.opset)
+    else:
+        model_spec = (spec.load_spec(args.spec) if args.spec else
+                      spec.super49b_spec(hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
+                                         vocab=args.vocab))
+        result = decode.export_spec_decode(model_spec, args.output, seed=args.seed, opset=args.opset)
+    files = " + ".join(str(f) for f in result.files)
+    print(f"wrote {files} ({result.bytes / 2**20:.1f} MiB, {result.seconds:.1f} s)")
+    cached = set(result.cache_layers)
+    runs = spec.attention_free_runs([i not in cached for i in range(max(cached, default=-1) + 1)])
+    print(f"  KV cache for {len(cached)} attention blocks: {spec.format_runs(runs)}")
     return 0
 
 
