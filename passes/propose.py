@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from passes.blocks import attention_free_runs
 from passes.errors import UserError
 from passes.plan import NORM_MODES, Plan
 
@@ -74,18 +75,6 @@ class Proposal:
             ],
             "notes": self.notes,
         }
-
-
-def attention_free_runs(attention: Sequence[bool]) -> list[tuple[int, int]]:
-    runs: list[tuple[int, int]] = []
-    for k, has_attention in enumerate(attention):
-        if has_attention:
-            continue
-        if runs and runs[-1][1] == k - 1:
-            runs[-1] = (runs[-1][0], k)
-        else:
-            runs.append((k, k))
-    return runs
 
 
 def group_max_dependency(dependency: np.ndarray, first: int, last: int) -> float:
