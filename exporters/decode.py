@@ -407,27 +407,12 @@ def engine_profile(
 ) -> dict[str, tuple[tuple[int, ...], ...]]:
     """min/opt/max shapes of every input of a decode graph; past_len runs from 0 (prefill) to max_total - 1.
 
-    (exporters.tensorrt_engine.Profile requires min >= 1, which an empty cache does not meet.)
+    The general mechanism: exporters.tensorrt_engine.DimRanges.decode over the inputs' named dims.
     """
-    import onnx
+    from exporters.tensorrt_engine import DimRanges, input_profiles
 
-    proto = onnx.load(str(onnx_path), load_external_data=False)
-    opt_total = max(1, min(opt_total, max_total))
-    shapes: dict[str, tuple[tuple[int, ...], ...]] = {}
-    for value in proto.graph.input:
-        dims = [d.dim_value for d in value.type.tensor_type.shape.dim]
-        if value.name == "input_ids":
-            shapes[value.name] = ((1, 1), (1, 1), (max_batch, max_total))
-        elif value.name == "attention_mask":
-            shapes[value.name] = ((1, 1), (1, opt_total), (max_batch, max_total))
-        elif value.name.startswith("past_"):
-            kv, head_dim = dims[1], dims[3]
-            shapes[value.name] = (
-                (1, kv, 0, head_dim),
-                (1, kv, opt_total - 1, head_dim),
-                (max_batch, kv, max_total - 1, head_dim),
-            )
-    return shapes
+    ranges = DimRanges.decode(max_batch, max_total, opt_total)
+    return {name: (p.min, p.opt, p.max) for name, p in input_profiles(onnx_path, ranges).items()}
 
 
 def build_decode_engine(
@@ -442,31 +427,16 @@ def build_decode_engine(
     """Build a TensorRT engine of a decode graph (one profile, see `engine_profile`); returns its bytes.
 
     TensorRT-RTX builds ahead of time (sm89 by default) on a machine without a GPU; datacenter TensorRT
-    builds for the GPU it runs on. Run the engine with runtime.backends.TrtBackend.
+    builds for the GPU it runs on. Run the engine with runtime.backends.TrtBackend. Same as
+    exporters.tensorrt_engine.build_engine(profile=DimRanges.decode(...)), which also writes the sidecar.
     """
-    from exporters import trt_shim
-    from exporters.tensorrt_engine import parse_onnx
-    from passes.errors import UserError
+    from exporters.tensorrt_engine import DimRanges, build_engine
 
-    trt = trt_shim.load()
-    logger = trt.logger()
-    builder = trt.module.Builder(logger.handle)
-    network, _parser = parse_onnx(trt, builder, Path(onnx_path), logger)
-    config = builder.create_builder_config()
-    trt.set_target(config, compute_capability)
-    config.set_memory_pool_limit(trt.module.MemoryPoolType.WORKSPACE, int(workspace_mb) << 20)
-    if trt.dist_collective_layer_type() is not None:
-        kind = trt.dist_collective_layer_type()
-        if any(network.get_layer(i).type == kind for i in range(network.num_layers)):
-            trt.enable_dist_collective(config)
-    profile = builder.create_optimization_profile()
-    for name, (lo, opt, hi) in engine_profile(onnx_path, max_batch, max_total).items():
-        profile.set_shape(name, lo, opt, hi)
-    config.add_optimization_profile(profile)
-    plan = builder.build_serialized_network(network, config)
-    if plan is None or plan.nbytes == 0:
-        detail = " | ".join(logger.errors) or "no error message from TensorRT"
-        raise UserError(f"TensorRT could not build an engine from {onnx_path}: {detail}")
-    Path(engine_path).parent.mkdir(parents=True, exist_ok=True)
-    Path(engine_path).write_bytes(plan)
-    return int(plan.nbytes)
+    built = build_engine(
+        onnx_path,
+        engine_path,
+        profile=DimRanges.decode(max_batch, max_total),
+        workspace_mb=workspace_mb,
+        compute_capability=compute_capability,
+    )
+    return built.plan_bytes

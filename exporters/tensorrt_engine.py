@@ -1,11 +1,13 @@
 """ONNX -> TensorRT engine (strongly typed: the Q/DQ in the graph decide the precision), with a JSON sidecar.
 
-`build_engine` parses from file (so external data works), adds one optimization profile for the dynamic
-batch and sequence of `input_ids` (other rank-2 dynamic inputs, e.g. attention_mask, get the same
-shapes), limits the workspace, loads and saves a timing cache (datacenter TensorRT; TensorRT-RTX has
-none), builds with detailed profiling verbosity, and writes `<engine>.json`: TensorRT flavor and
-version, compute capability, profile, input and output names and dtypes, sha256 of the ONNX including
-its external data. `check_engine` compares an engine with ONNX Runtime through Polygraphy's Comparator.
+`build_engine` parses from file (so external data works), adds one optimization profile that covers
+every dynamic input (see `DimRanges`: each named dynamic dim of the ONNX inputs, batch / seq / past_len /
+total, gets its range, so decode graphs with a KV cache and their tensor-parallel rank graphs build too;
+past_len may start at 0, an empty cache), limits the workspace, loads and saves a timing cache
+(datacenter TensorRT; TensorRT-RTX has none), builds with detailed profiling verbosity, and writes
+`<engine>.json`: TensorRT flavor and version, compute capability, profile, input and output names and
+dtypes, sha256 of the ONNX including its external data. `check_engine` compares an engine with ONNX
+Runtime through Polygraphy's Comparator.
 """
 
 from __future__ import annotations
@@ -30,9 +32,12 @@ SIDECAR_FORMAT = "ffn-fusion-trt-engine/1"
 DEFAULT_INPUT = "input_ids"
 
 
+Range = tuple[int, int, int]  # min, opt, max of one dimension
+
+
 @dataclass(frozen=True)
 class Profile:
-    """min/opt/max shapes of one input (for input_ids: (batch, seq))."""
+    """min/opt/max shapes of one input (for input_ids: (batch, seq)). A dim may be 0 (an empty KV cache)."""
 
     min: tuple[int, ...]
     opt: tuple[int, ...]
@@ -42,9 +47,9 @@ class Profile:
         if not len(self.min) == len(self.opt) == len(self.max):
             raise UserError(f"profile shapes differ in rank: {self.min} {self.opt} {self.max}")
         for lo, mid, hi in zip(self.min, self.opt, self.max, strict=True):
-            if not 1 <= lo <= mid <= hi:
+            if not 0 <= lo <= mid <= hi:
                 raise UserError(
-                    f"profile needs 1 <= min <= opt <= max per dim, got {self.min}/{self.opt}/{self.max}"
+                    f"profile needs 0 <= min <= opt <= max per dim, got {self.min}/{self.opt}/{self.max}"
                 )
 
     @classmethod
@@ -52,6 +57,132 @@ class Profile:
         if len(batch) != 3 or len(seq) != 3:
             raise UserError("batch and seq ranges take three numbers: min,opt,max")
         return cls(min=(batch[0], seq[0]), opt=(batch[1], seq[1]), max=(batch[2], seq[2]))
+
+
+# Names exporters give dynamic dims (ONNX dim_param), by role. exporters/decode.py writes batch, seq,
+# past_len and total (= past_len + seq); the prefill-only exports write batch and seq.
+DIM_ALIASES = {
+    "batch": ("batch", "batch_size"),
+    "seq": ("seq", "seq_len", "sequence", "sequence_length"),
+    "past": ("past_len", "past", "past_seq_len", "past_sequence_length"),
+    "total": ("total", "total_len", "total_sequence_length", "past_len + seq", "seq + past_len"),
+}
+
+
+@dataclass(frozen=True)
+class DimRanges:
+    """min/opt/max of every named dynamic dim: one optimization profile for all inputs of a graph.
+
+    `seq` is the number of tokens per call, `past` the cached tokens before it (0 = prefill from an
+    empty cache), `total` = past + seq (the attention mask). Unset `past` defaults to (0, 0, seq max - 1):
+    prompts of up to seq max tokens, then decoding until the cache and the new token make seq max.
+    Unset `total` is (seq min + past min, seq opt + past opt, max(seq max, past max + seq min)).
+    `extra` gives other dim names their ranges.
+    """
+
+    batch: Range
+    seq: Range
+    past: Range | None = None
+    total: Range | None = None
+    extra: Mapping[str, Range] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        given = {"batch": self.batch, "seq": self.seq, "past": self.past, "total": self.total, **self.extra}
+        for name, value in given.items():
+            if value is None:
+                continue
+            if len(value) != 3:
+                raise UserError(f"the range of {name} takes three numbers: min,opt,max")
+            Profile((value[0],), (value[1],), (value[2],))  # the same checks, one dim at a time
+
+    @classmethod
+    def from_profile(cls, main: Profile, past: Range | None = None) -> DimRanges:
+        """Ranges from a (batch, seq) profile of input_ids."""
+        if len(main.min) != 2:
+            raise UserError(f"a (batch, seq) profile has two dims, got {list(main.min)}")
+        return cls(
+            batch=(main.min[0], main.opt[0], main.max[0]),
+            seq=(main.min[1], main.opt[1], main.max[1]),
+            past=past,
+        )
+
+    @classmethod
+    def decode(cls, max_batch: int = 4, max_total: int = 2048, opt_total: int = 256) -> DimRanges:
+        """A decode engine tuned for single-token steps with opt_total cached + new tokens: batch 1..max,
+        seq 1..max_total (opt 1), past_len 0..max_total - 1, total 1..max_total."""
+        opt_total = max(1, min(opt_total, max_total))
+        return cls(
+            batch=(1, 1, max_batch),
+            seq=(1, 1, max_total),
+            past=(0, opt_total - 1, max_total - 1),
+            total=(1, opt_total, max_total),
+        )
+
+    def named(self) -> dict[str, Range]:
+        seq = self.seq
+        past = self.past if self.past is not None else (0, 0, max(seq[2] - 1, 0))
+        total = self.total or (seq[0] + past[0], seq[1] + past[1], max(seq[2], past[2] + seq[0]))
+        out = {"batch": self.batch, "seq": seq, "past": past, "total": total}
+        return {**out, **dict(self.extra)}
+
+    def lookup(self, dim_name: str) -> Range | None:
+        if dim_name in self.extra:
+            return tuple(self.extra[dim_name])  # type: ignore[return-value]
+        named = self.named()
+        for role, aliases in DIM_ALIASES.items():
+            if dim_name in aliases:
+                return named[role]
+        return None
+
+
+def onnx_input_dims(onnx_path: str | Path) -> dict[str, list[int | str | None]]:
+    """Each graph input's dims: an int when static, the dim_param name, or None when unnamed/unknown."""
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    initializers = {t.name for t in model.graph.initializer}
+    out: dict[str, list[int | str | None]] = {}
+    for value in model.graph.input:
+        if value.name in initializers:
+            continue
+        dims: list[int | str | None] = []
+        for d in value.type.tensor_type.shape.dim:
+            if d.HasField("dim_value"):
+                dims.append(int(d.dim_value))
+            else:
+                dims.append(d.dim_param or None)
+        out[value.name] = dims
+    return out
+
+
+def input_profiles(
+    onnx_path: str | Path, ranges: DimRanges, explicit: Mapping[str, Profile] | None = None
+) -> dict[str, Profile]:
+    """A profile for every dynamic input of an ONNX graph: `explicit` ones as given, the others from the
+    names of their dynamic dims (static dims stay fixed). A dynamic dim without a known name is an error,
+    except in rank-2 inputs, which take (batch, seq) like input_ids."""
+    explicit = dict(explicit or {})
+    out: dict[str, Profile] = {}
+    for name, dims in onnx_input_dims(onnx_path).items():
+        if all(isinstance(d, int) for d in dims):
+            continue
+        if name in explicit:
+            out[name] = explicit[name]
+            continue
+        picked: list[Range] = []
+        for axis, d in enumerate(dims):
+            if isinstance(d, int):
+                picked.append((d, d, d))
+                continue
+            found = ranges.lookup(d) if d is not None else None
+            if found is None and len(dims) == 2:
+                found = ranges.batch if axis == 0 else ranges.seq
+            if found is None:
+                raise UserError(
+                    f"input {name} has dynamic dim {axis} ({d or 'unnamed'}) of shape {dims}; give it a "
+                    "profile or a range for that dim name"
+                )
+            picked.append(found)
+        out[name] = Profile(*(tuple(r[k] for r in picked) for k in range(3)))
+    return out
 
 
 @dataclass
@@ -141,20 +272,32 @@ def _io(network: Any, count: int, get: Any) -> list[dict[str, Any]]:
     ]
 
 
+def resolve_profiles(
+    onnx_path: str | Path, profile: Profile | DimRanges | Mapping[str, Profile]
+) -> dict[str, Profile]:
+    """Per-input profiles for a graph from what build_engine was given (see build_engine)."""
+    if isinstance(profile, DimRanges):
+        return input_profiles(onnx_path, profile)
+    profiles = {DEFAULT_INPUT: profile} if isinstance(profile, Profile) else dict(profile)
+    main = profiles.get(DEFAULT_INPUT) or next(iter(profiles.values()), None)
+    if main is None or len(main.min) != 2:
+        return profiles  # nothing to derive the other inputs' ranges from
+    return input_profiles(onnx_path, DimRanges.from_profile(main), profiles)
+
+
 def _add_profile(builder: Any, network: Any, profiles: Mapping[str, Profile]) -> tuple[dict, Any]:
     profile = builder.create_optimization_profile()
     inputs = [network.get_input(i) for i in range(network.num_inputs)]
-    main = profiles.get(DEFAULT_INPUT) or next(iter(profiles.values()))
     used: dict[str, Profile] = {}
     for tensor in inputs:
         shape = [int(d) for d in tensor.shape]
         if all(d >= 0 for d in shape):
             continue
         chosen = profiles.get(tensor.name)
-        if chosen is None and len(shape) == len(main.min):
-            chosen = main
         if chosen is None:
             raise UserError(f"input {tensor.name} has dynamic shape {shape}; give it a profile")
+        if len(chosen.min) != len(shape):
+            raise UserError(f"input {tensor.name} has {len(shape)} dims, its profile {len(chosen.min)}")
         for dim, lo, hi in zip(shape, chosen.min, chosen.max, strict=True):
             if dim >= 0 and not lo == hi == dim:
                 raise UserError(f"input {tensor.name} has static dim {dim}; the profile must keep it")
@@ -190,19 +333,24 @@ def build_engine(
     onnx_path: str | Path,
     engine_path: str | Path | None = None,
     *,
-    profile: Profile | Mapping[str, Profile],
+    profile: Profile | DimRanges | Mapping[str, Profile],
     workspace_mb: int = 2048,
     timing_cache: str | Path | None = None,
     compute_capability: str | None = None,
     progress: bool = False,
     verbose: bool = False,
 ) -> EngineBuild:
-    """Build a TensorRT engine from an ONNX file and write it with its JSON sidecar."""
+    """Build a TensorRT engine from an ONNX file and write it with its JSON sidecar.
+
+    `profile`: a (batch, seq) Profile of input_ids, from which every other dynamic input gets its
+    shapes by dim name (`DimRanges.from_profile`: past_len 0..seq max - 1, total like seq); or
+    `DimRanges`; or explicit per-input Profiles (the rest again derived from the input_ids one).
+    """
     onnx_path = Path(onnx_path)
     if not onnx_path.is_file():
         raise UserError(f"ONNX file not found: {onnx_path}")
     engine_path = Path(engine_path) if engine_path else onnx_path.with_suffix(".engine")
-    profiles = {DEFAULT_INPUT: profile} if isinstance(profile, Profile) else dict(profile)
+    profiles = resolve_profiles(onnx_path, profile)
     trt = trt_shim.load()
     logger = trt.logger(verbose)
     builder = trt.module.Builder(logger.handle)

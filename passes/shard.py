@@ -12,6 +12,10 @@ Per residual branch (passes.shard_graph finds them by structure):
 - embeddings and lm_head replicated; `lm_head="vocab"` splits the lm_head by vocabulary and gathers the
   logits with one all_gather DistCollective.
 
+Decode graphs (exporters/decode.py) shard too: a past K/V graph input concatenated with an attention
+branch's new keys/values, and the present output that Concat makes, hold the rank's KV heads (split, or
+the one replicated head its queries use), and their declared shapes say so (the TP runtimes read them).
+
 FP8 Q/DQ graphs shard too: per-channel DequantizeLinear scales travel with their weight slices,
 per-tensor scales are replicated. The Reshape/Expand shape constants that encode head counts are
 rewritten per rank (passes.shard_dims works out which). Weights are sliced lazily from the memory-mapped
@@ -77,6 +81,9 @@ class BranchSummary:
     padded_width: int = 0
     heads: int = 0
     kv_heads: int = 0
+    kv_heads_per_rank: int = 0
+    cache_inputs: list[str] = field(default_factory=list)  # decode graphs: past K/V graph inputs
+    cache_outputs: list[str] = field(default_factory=list)  # and the present outputs they become
 
 
 @dataclass
@@ -105,6 +112,13 @@ class ShardReport:
             out.append(
                 f"FFN widths padded with zeros to a multiple of {self.tp}: {shown}"
                 + (" ..." if len(padded) > 6 else "")
+            )
+        cached = [b for b in self.branches if b.cache_inputs]
+        if cached:
+            per_rank = sorted({b.kv_heads_per_rank for b in cached})
+            out.append(
+                f"KV cache: {sum(len(b.cache_inputs) for b in cached)} past inputs in {len(cached)} "
+                f"attention branches, {'/'.join(map(str, per_rank))} KV head(s) per rank"
             )
         out.append(f"lm_head: {self.lm_head}; {self.seconds:.1f} s")
         return out
@@ -246,7 +260,8 @@ def _rank_world(
     rows = {b.row.node for b in structure.branches}
     if lm_head == "vocab" and structure.lm_head is not None:
         rows.discard(structure.lm_head.node)
-    return RankWorld(world, seeds, head_ratio, rows, where).run()
+    caches = {c.past for b in structure.branches for c in b.caches}
+    return RankWorld(world, seeds, head_ratio, rows, where, caches).run()
 
 
 def _update_shapes(graph: ir.Graph, world: RankWorld) -> None:
@@ -605,7 +620,13 @@ def summarize(model: ir.Model, tp: int) -> list[BranchSummary]:
     out = []
     for b in structure.branches:
         padded = math.ceil(b.width / tp) * tp if b.kind == "ffn" else 0
-        out.append(BranchSummary(b.index, b.kind, b.width, padded, b.heads, b.kv_heads))
+        summary = BranchSummary(b.index, b.kind, b.width, padded, b.heads, b.kv_heads)
+        if b.kind == "attention":
+            _check_heads(b, tp)
+            summary.kv_heads_per_rank = kv_layout(b.heads, b.kv_heads, tp, 0)[1]
+            summary.cache_inputs = [c.past.name for c in b.caches]
+            summary.cache_outputs = [c.present.name for c in b.caches if c.present is not None]
+        out.append(summary)
     return out
 
 

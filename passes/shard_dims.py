@@ -547,6 +547,8 @@ class RankWorld:
     `head_ratio(node)` gives, for nodes inside an attention branch, how many times fewer query heads the
     rank has (tp); an Expand that repeats KV heads for grouped-query attention is fixed to match it.
     `row_nodes` are the row-parallel MatMuls, whose contraction axis is sharded on purpose.
+    `caches` are KV-cache graph inputs (decode graphs): each takes, on this rank, the shape of the new
+    keys/values it is concatenated with (the rank's KV heads), except along the Concat axis.
     """
 
     full: World
@@ -554,6 +556,7 @@ class RankWorld:
     head_ratio: Callable[[ir.Node], int | None]
     row_nodes: set[ir.Node]
     where: Callable[[ir.Node], str]
+    caches: set[ir.Value] = field(default_factory=set)
     over: dict[ir.Value, Info] = field(default_factory=dict)
     rewrites: list[ShapeRewrite] = field(default_factory=list)
 
@@ -568,6 +571,17 @@ class RankWorld:
         return value is not None and value in self.over
 
     def run(self) -> RankWorld:
+        self._run_once()
+        # A cache input gets its rank shape at its Concat; a Shape node that read it earlier in the graph
+        # saw the full shape: run again with the cache shapes known from the start.
+        early = {v: self.over[v] for v in self.caches if v in self.over and len(v.uses()) > 1}
+        if early:
+            self.seeds = {**self.seeds, **early}
+            self.over, self.rewrites = {}, []
+            self._run_once()
+        return self
+
+    def _run_once(self) -> None:
         self.over.update(self.seeds)
         for node in self.full.graph:
             if any(o in self.seeds for o in node.outputs):
@@ -580,7 +594,6 @@ class RankWorld:
                 info = outs[k] if k < len(outs) else UNKNOWN
                 if info != self.full.get(out):
                     self.over[out] = info
-        return self
 
     # --------------------------------------------------------------------------------- per node
 
@@ -596,8 +609,10 @@ class RankWorld:
         return {k for k, (f, r) in enumerate(zip(full, rank, strict=True)) if f != r}
 
     def _infer(self, node: ir.Node) -> list[Info]:
-        ins = [self.get(v) for v in node.inputs]
         op = node.op_type
+        if op == "Concat" and any(v in self.caches for v in node.inputs):
+            self._shape_caches(node)
+        ins = [self.get(v) for v in node.inputs]
         self._check_axes(node, ins)
         if op == "Reshape":
             return [self._reshape(node, ins)]
@@ -614,7 +629,39 @@ class RankWorld:
             raise self._fail(node, f"gets shapes that no longer match on one rank ({exc})") from None
         if outs is None:
             raise self._fail(node, "is not supported on a sharded tensor")
+        if op == "Concat":
+            outs = [self._concat_axis_as_full(node, outs[0])]
         return outs
+
+    def _concat_axis_as_full(self, node: ir.Node, out: Info) -> Info:
+        """No input changed along the Concat axis (checked), so that dim is the full model's (which
+        knows it from the annotation when it is a sum such as past_len + seq)."""
+        full = self.full.get(node.outputs[0]).shape
+        if out.shape is None or full is None or len(full) != len(out.shape):
+            return out
+        axis = _attr(node, "axis", 0) % len(full)
+        shape = tuple(full[k] if k == axis and full[k] is not None else d for k, d in enumerate(out.shape))
+        return Info(shape, out.value)
+
+    def _shape_caches(self, node: ir.Node) -> None:
+        """The rank shape of each cache input of `node`: that of the computed input it is concatenated
+        with (same KV heads), and the full model's length along the Concat axis."""
+        computed = [v for v in node.inputs if v is not None and v not in self.caches]
+        ref = self.get(computed[0]).shape if computed else None
+        if ref is None:
+            raise self._fail(node, "concatenates a cache input with a tensor whose rank shape is unknown")
+        axis = _attr(node, "axis", 0) % len(ref)
+        for value in node.inputs:
+            if value not in self.caches:
+                continue
+            full = self.full.get(value).shape
+            if full is None or len(full) != len(ref):
+                raise self._fail(node, f"reads the cache input {value.name!r}, whose rank is unknown")
+            rank = tuple(full[k] if k == axis else ref[k] for k in range(len(ref)))
+            if any(r is None and f is not None for r, f in zip(rank, full, strict=True)):
+                raise self._fail(node, f"cannot tell the rank shape of the cache input {value.name!r}")
+            if rank != full:
+                self.over[value] = Info(rank)
 
     def _check_axes(self, node: ir.Node, ins: Sequence[Info]) -> None:
         op = node.op_type

@@ -119,6 +119,16 @@ def _int_attr(node: ir.Node, name: str, default: int) -> int:
 
 
 @dataclass
+class CacheRef:
+    """A KV-cache graph input concatenated with a branch's new keys or values (decode graphs)."""
+
+    past: ir.Value  # the graph input
+    concat: ir.Node  # Concat(past, new) inside the branch
+    present: ir.Value | None  # the Concat's output when it is a graph output
+    kind: str = ""  # "key" (reaches q @ k^T) or "value" (reaches probs @ v)
+
+
+@dataclass
 class Branch:
     """One residual branch: stream -> norm -> column layers -> ... -> row layer -> Add(stream, .)."""
 
@@ -136,6 +146,7 @@ class Branch:
     heads: int = 0
     kv_heads: int = 0
     head_dim: int = 0
+    caches: list[CacheRef] = field(default_factory=list)  # decode graphs: past K/V inputs
     # ffn
     width: int = 0
 
@@ -275,11 +286,13 @@ def _branch(
     if not any(v is stream or (v is not None and v.producer() in nodes) for v in row_node.inputs[:1]):
         raise UserError(f"residual branch {index}: its last projection does not depend on the stream")
     inputs = {v for n in nodes for v in n.inputs if v is not None and v.is_graph_input()}
-    if inputs:
-        name = sorted(v.name for v in inputs)[0]
+    caches = _cache_inputs(inputs, nodes, _graph_outputs(residual))
+    other = sorted(v.name for v in inputs - {c.past for c in caches})
+    if other:
         raise UserError(
-            f"residual branch {index} reads the graph input {name!r} (a KV cache?): decode graphs "
-            "with cache inputs cannot be sharded yet; shard the full-sequence model"
+            f"residual branch {index} reads the graph input {other[0]!r}, which is not a KV cache "
+            "(a graph input used, besides Shape, only by a Concat with the branch's new keys or values); "
+            "cannot shard it"
         )
     fused = sorted({n.op_type for n in nodes} & FUSED_ATTENTION_OPS)
     if fused:
@@ -309,10 +322,16 @@ def _branch(
     if not columns:
         raise UserError(f"residual branch {index}: no column projections found before {row_node.name!r}")
     branch = Branch(index, "ffn", stream, residual, row, columns, nodes)  # type: ignore[arg-type]
+    branch.caches = caches
     if any(n.op_type == "Softmax" for n in nodes):
         branch.kind = "attention"
         _attention_roles(branch, world)
     else:
+        if caches:
+            raise UserError(
+                f"{branch.describe()}: reads the cache input {caches[0].past.name!r} but has no "
+                "attention (Softmax); cannot shard it"
+            )
         widths = {c.matrix_shape()[1] for c in branch.columns}
         if len(widths) != 1:
             raise UserError(f"{branch.describe()}: its column projections differ in width {sorted(widths)}")
@@ -323,6 +342,30 @@ def _branch(
                 f"the first ones {branch.width} outputs"
             )
     return branch
+
+
+def _graph_outputs(node: ir.Node) -> set[ir.Value]:
+    graph = node.graph
+    return set(graph.outputs) if graph is not None else set()
+
+
+def _cache_inputs(inputs: set[ir.Value], nodes: set[ir.Node], outputs: set[ir.Value]) -> list[CacheRef]:
+    """The graph inputs among `inputs` that are KV caches: used once, by a Concat in the branch that also
+    takes a tensor the branch computes (the new keys/values), and otherwise only by Shape nodes (the
+    dynamo exporter may take the batch size from a past input). The Concat's axis is checked by the rank
+    world (it must not be the sharded head axis)."""
+    found = []
+    for value in sorted(inputs, key=lambda v: v.name or ""):
+        uses = [u for u in value.uses() if u.node.op_type != "Shape"]  # an exporter may read its batch
+        if len(uses) != 1 or uses[0].node not in nodes or uses[0].node.op_type != "Concat":
+            continue
+        concat = uses[0].node
+        computed = [v for v in concat.inputs if v is not None and v.producer() in nodes]
+        if not computed:
+            continue
+        out = concat.outputs[0]
+        found.append(CacheRef(value, concat, out if out in outputs else None))
+    return found
 
 
 def _after_linear(nodes: set[ir.Node], order: dict[ir.Node, int]) -> set[ir.Value]:
@@ -379,6 +422,14 @@ def _attention_roles(branch: Branch, world: World) -> None:
     branch.q = role(scores.inputs[0])
     branch.k = role(scores.inputs[1])
     branch.v = role(context.inputs[1], exclude=scores.outputs[0])
+    for cache in branch.caches:
+        reach = _forward(cache.concat.outputs[0], branch.nodes)
+        if scores.inputs[1] in reach:
+            cache.kind = "key"
+        elif context.inputs[1] in reach:
+            cache.kind = "value"
+        else:
+            raise UserError(f"{where}: cache input {cache.past.name!r} reaches neither q @ k^T nor probs @ v")
     if len(branch.columns) != 3 or len({id(branch.q), id(branch.k), id(branch.v)}) != 3:
         raise UserError(f"{where}: expected exactly three projections q, k, v; found {len(branch.columns)}")
     q_out = branch.q.matrix_shape()[1]

@@ -193,21 +193,27 @@ def test_fp8_decode_graph_keeps_cache_semantics(models, tmp_path):
     assert cos > 0.99
 
 
-@pytest.mark.xfail(reason="passes/shard.py does not shard decode graphs yet (past K/V Concat)", strict=False)
 def test_tp2_decode_graph_equals_single_device(models, tmp_path):
+    """Rank graphs of a decode graph (KV cache split by heads): prefill + 3 cached decode steps."""
     from passes.shard import shard_file
     from runtime.backends import TpThreadsBackend
 
     shard_file(models("decode"), 2, tmp_path / "tp2", progress=False)
     backend = TpThreadsBackend(tmp_path / "tp2")
-    ids = tokens(2, 5, seed=7)
-    empty = {
+    ids = tokens(2, 8, seed=7)
+    past = {
         i.name: np.zeros((2, i.shape[1], 0, i.shape[3]), np.float32)
         for i in backend.inputs
         if i.name.startswith("past_")
     }
-    out = backend.run({"input_ids": ids, "attention_mask": np.ones_like(ids), **empty})
-    assert rel(out["logits"], torch_logits(ids)) < TOL
+    parts = []
+    for start, stop in ((0, 5), (5, 6), (6, 7), (7, 8)):
+        feeds = {"input_ids": ids[:, start:stop], "attention_mask": np.ones((2, stop), np.int64), **past}
+        out = backend.run(feeds)
+        parts.append(out["logits"])
+        past = {n: out["present_" + n.removeprefix("past_")] for n in past}
+    assert rel(np.concatenate(parts, axis=1), torch_logits(ids)) < TOL
+    assert past["past_key_4"].shape == (2, 2, 8, 16)
 
 
 def test_tensorrt_builds_decode_engine_with_empty_cache_profile(models, tmp_path):
