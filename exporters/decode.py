@@ -25,14 +25,10 @@ walks in the prefill-only export.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
-import logging
 import os
 import time
-import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,6 +37,7 @@ import torch
 from torch import nn
 
 from exporters.llama import MLP, RMSNorm, build_model, rotate_half
+from exporters.onnx_export import quiet_export as _quiet
 from exporters.spec import BlockSpec, ModelSpec
 
 # Same as exporters.onnx_export.EXTERNAL_DATA_THRESHOLD: above it the weights go to `<name>.data`.
@@ -249,30 +246,6 @@ class DecodeExport:
     @property
     def output_names(self) -> list[str]:
         return ["logits", *[n for i in self.cache_layers for n in present_names(i)]]
-
-
-@contextlib.contextmanager
-def _quiet() -> Iterator[io.StringIO]:
-    """Swallow the exporter's progress prints, warnings and info logs; yields what was printed."""
-    buffer = io.StringIO()
-    names = (
-        "torch.onnx",
-        "torch.export",
-        "torch._dynamo",
-        "onnxscript",
-        "torch.fx.experimental.symbolic_shapes",
-    )
-    loggers = [logging.getLogger(n) for n in names]
-    levels = [lg.level for lg in loggers]
-    try:
-        for lg in loggers:
-            lg.setLevel(logging.ERROR)
-        with warnings.catch_warnings(), contextlib.redirect_stdout(buffer):
-            warnings.simplefilter("ignore")
-            yield buffer
-    finally:
-        for lg, level in zip(loggers, levels, strict=True):
-            lg.setLevel(level)
 
 
 def export_decode(

@@ -81,7 +81,7 @@ def _is_hf_model(module: torch.nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def _quiet() -> Iterator[io.StringIO]:
+def quiet_export() -> Iterator[io.StringIO]:
     """Swallow the exporter's progress prints, warnings and info logs; yields what was printed."""
     buffer = io.StringIO()
     loggers = [logging.getLogger(n) for n in ("torch.onnx", "torch.export", "torch._dynamo", "onnxscript",
@@ -115,7 +115,7 @@ def export_onnx(module: torch.nn.Module, path: str | os.PathLike, *, opset: int 
     module.eval()
     example = torch.zeros(EXAMPLE_SHAPE, dtype=torch.int64)
     start = time.perf_counter()
-    with _quiet() as printed, torch.no_grad(), _logits_only(module) as traced:
+    with quiet_export() as printed, torch.no_grad(), _logits_only(module) as traced:
         try:
             program = torch.onnx.export(
                 traced, (example,), dynamo=True, opset_version=opset, optimize=True,
