@@ -114,12 +114,11 @@ def validate(
         if block.width != sum(b.width for b in group):
             raise ValidationError(f"fused block for group [{first}, {last}] has width {block.width}")
     if weight_bytes(fused_model) > WHOLE_MODEL_LIMIT:
-        report = ValidationReport("per group", tolerance=tolerance)
+        report = ValidationReport("per group")
         report.groups = [_check_group_alone(fused, g, group, block, plan.norm) for g, group, block in pairs]
     else:
         report = _check_whole_model(original, fused, pairs, plan.norm, tokens, original_blocks)
-        report.tolerance = tolerance
-    report.notes = notes
+    report.tolerance, report.notes = tolerance, notes
     return report
 
 
@@ -213,13 +212,16 @@ def _input_feed(proto: onnx.ModelProto, tokens: np.ndarray) -> dict[str, np.ndar
     return feeds
 
 
+def _run(proto: onnx.ModelProto, folder: Path, tokens: np.ndarray) -> list[np.ndarray]:
+    """One ONNX Runtime run; the session (and its copy of the weights) is freed on return."""
+    return _session(proto, folder).run(None, _input_feed(proto, tokens))
+
+
 def _check_whole_model(original, fused, pairs, mode, tokens, original_blocks) -> ValidationReport:
     tokens = default_tokens(original_blocks) if tokens is None else tokens
-    base = load_proto(original)
-    reference_logits = _session(base, original.parent).run(None, _input_feed(base, tokens))[0]
+    reference_logits = _run(load_proto(original), original.parent, tokens)[0]
     names = [n for _, _, b in pairs for n in (b.ffn_input.name, b.residual.output.name)]
-    proto = _with_outputs(fused, names)
-    outputs = _session(proto, fused.parent).run(None, _input_feed(proto, tokens))
+    outputs = _run(_with_outputs(fused, names), fused.parent, tokens)
     logits, streams = outputs[0], outputs[len(outputs) - len(names) :]
     report = ValidationReport("whole model")
     report.logits_rel_error, report.logits_cosine = (
