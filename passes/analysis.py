@@ -30,7 +30,7 @@ import onnx
 import onnxruntime as ort
 from tqdm import tqdm
 
-from passes.blocks import Block, find_blocks
+from passes.blocks import Block, find_blocks, vocab_size
 from passes.errors import UserError
 from passes.model_io import load_model, load_proto
 
@@ -59,11 +59,6 @@ def input_feed(proto: onnx.ModelProto, tokens: np.ndarray) -> dict[str, np.ndarr
     rank = len(graph_input.type.tensor_type.shape.dim)
     tokens = np.asarray(tokens, dtype=np.int64)
     return {graph_input.name: tokens.reshape(-1) if rank == 1 else tokens.reshape(-1, tokens.shape[-1])}
-
-
-def vocab_size(blocks: list[Block]) -> int:
-    """Rows of the token-embedding table (the Gather that produces block 0's input)."""
-    return int(blocks[0].block_input.producer().inputs[0].shape[0])
 
 
 # ---------------------------------------------------------------------------------------------- graph cut

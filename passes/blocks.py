@@ -199,6 +199,11 @@ def _layer_name(node: ir.Node | None) -> str | None:
     return None
 
 
+def vocab_size(blocks: list[Block]) -> int:
+    """Rows of the token-embedding table (the Gather that produces block 0's input)."""
+    return int(blocks[0].block_input.producer().inputs[0].shape[0])
+
+
 def attention_free_runs(attention: list[bool]) -> list[tuple[int, int]]:
     """Maximal runs [i, j] (inclusive) of consecutive blocks without attention, from per-block flags."""
     runs: list[tuple[int, int]] = []

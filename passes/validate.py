@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from passes.blocks import Block, find_blocks
+from passes.blocks import Block, find_blocks, vocab_size
 from passes.errors import UserError
 from passes.fuse import PLAN_METADATA_KEY
 from passes.model_io import load_model, load_proto, weight_bytes
@@ -134,13 +134,8 @@ def _fused_index(plan: Plan, group: tuple[int, int]) -> int:
 
 
 def default_tokens(blocks: list[Block], length: int = 16) -> np.ndarray:
-    vocab = _vocab_size(blocks)
+    vocab = vocab_size(blocks)
     return np.random.default_rng(0).integers(0, vocab, size=(1, length), dtype=np.int64)
-
-
-def _vocab_size(blocks: list[Block]) -> int:
-    embedding = blocks[0].block_input.producer()  # the token-embedding Gather
-    return int(embedding.inputs[0].shape[0])
 
 
 HALF_TYPES = {onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}

@@ -8,8 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from passes.analysis import vocab_size
-from passes.blocks import find_blocks
+from passes.blocks import find_blocks, vocab_size
 from passes.errors import UserError, run_cli
 from passes.model_io import load_model
 from runtime.evaluate import evaluate, format_table
