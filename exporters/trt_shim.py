@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -207,3 +208,32 @@ def require_gpu_runtime() -> Trt:
     if current_gpu_compute_capability() is None:
         raise UserError("--check runs the engine and needs a GPU; none was found")
     return trt
+
+
+@dataclass
+class OpenEngine:
+    """A deserialized engine with one execution context, and its I/O tensor names."""
+
+    trt: Trt
+    runtime: Any
+    engine: Any
+    context: Any
+    inputs: list[str]
+    outputs: list[str]
+
+
+def open_engine(engine_path: str | Path, hint: str = "") -> OpenEngine:
+    """Deserialize an engine on this process's GPU (datacenter TensorRT or TensorRT-RTX runtime)."""
+    trt = require_gpu_runtime()
+    path = Path(engine_path)
+    if not path.is_file():
+        raise UserError(f"engine {path} does not exist{hint}")
+    module = trt.module
+    runtime = module.Runtime(module.Logger(module.Logger.WARNING))
+    engine = runtime.deserialize_cuda_engine(path.read_bytes())
+    if engine is None:
+        raise UserError(f"TensorRT could not deserialize {path} (built for another GPU or version?)")
+    names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
+    is_input = {n: engine.get_tensor_mode(n) == module.TensorIOMode.INPUT for n in names}
+    inputs, outputs = [n for n in names if is_input[n]], [n for n in names if not is_input[n]]
+    return OpenEngine(trt, runtime, engine, engine.create_execution_context(), inputs, outputs)

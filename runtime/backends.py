@@ -123,26 +123,15 @@ class TrtBackend:
     def __init__(self, engine_path: str | Path) -> None:
         from exporters import trt_shim
 
-        self.trt = trt_shim.require_gpu_runtime()
-        path = Path(engine_path)
-        if not path.is_file():
-            raise UserError(f"engine {path} does not exist")
-        module = self.trt.module
-        self.logger = module.Logger(module.Logger.WARNING)
-        self.runtime = module.Runtime(self.logger)
-        self.engine = self.runtime.deserialize_cuda_engine(path.read_bytes())
-        if self.engine is None:
-            raise UserError(f"TensorRT could not deserialize {path} (built for another GPU or version?)")
-        self.context = self.engine.create_execution_context()
+        opened = trt_shim.open_engine(engine_path)
+        self.trt, self.runtime = opened.trt, opened.runtime  # the runtime must outlive the engine
+        self.engine, self.context = opened.engine, opened.context
         self.name = f"tensorrt:{self.trt.version}"
-        names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
-        is_input = {n: self.engine.get_tensor_mode(n) == module.TensorIOMode.INPUT for n in names}
         self.inputs = [
             TensorInfo(n, tuple(_dim(d) for d in self.engine.get_tensor_shape(n)), self._dtype(n))
-            for n in names
-            if is_input[n]
+            for n in opened.inputs
         ]
-        self.outputs = [n for n in names if not is_input[n]]
+        self.outputs = opened.outputs
         self.vocab = _last_dim(self.engine.get_tensor_shape(self.outputs[0]))
 
     def _dtype(self, name: str) -> type:

@@ -337,21 +337,27 @@ def torch_collective(world_size: int) -> CollectiveFn:
     return run
 
 
+def join_torchrun(directory: str | Path, tp: int) -> tuple[int, int]:
+    """Join the torchrun launch's gloo process group; (rank, world size), checked against the folder."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            raise UserError("run under torchrun (RANK/WORLD_SIZE are not set)")
+        dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world != tp:
+        raise UserError(f"{directory} holds {tp} ranks; launch with --nproc-per-node {tp}")
+    return rank, world
+
+
 def run_distributed(directory: str | Path, tokens: np.ndarray, threads: int = 1) -> np.ndarray | None:
     """This process's rank of a torchrun launch (gloo); returns the logits on rank 0, None elsewhere."""
     import torch.distributed as dist
 
     manifest = read_manifest(directory)
     files = rank_onnx_files(directory)
-    if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            raise UserError("run under torchrun (RANK/WORLD_SIZE are not set)")
-        dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if world != manifest["tp"]:
-        raise UserError(
-            f"{directory} holds {manifest['tp']} ranks; launch with --nproc-per-node {manifest['tp']}"
-        )
+    rank, world = join_torchrun(directory, manifest["tp"])
     program = RankProgram(files[rank], threads)
     outputs = program.run(_feeds(program, tokens), torch_collective(world))
     dist.barrier()

@@ -31,6 +31,7 @@ import numpy as np
 
 from passes.errors import UserError
 from passes.shard import rank_onnx_files, read_manifest
+from runtime.tp import join_torchrun
 
 DEFAULT_ENGINE_NAME = "model.engine"
 
@@ -134,21 +135,10 @@ class TrtRank:
     def __init__(self, engine_path: str | Path) -> None:
         from exporters import trt_shim
 
-        self.trt = trt_shim.require_gpu_runtime()
-        path = Path(engine_path)
-        if not path.is_file():
-            raise UserError(f"engine {path} does not exist; build it with tools/build_engines.py")
-        module = self.trt.module
-        self.logger = module.Logger(module.Logger.WARNING)
-        self.runtime = module.Runtime(self.logger)
-        self.engine = self.runtime.deserialize_cuda_engine(path.read_bytes())
-        if self.engine is None:
-            raise UserError(f"TensorRT could not deserialize {path} (built for another GPU or version?)")
-        self.context = self.engine.create_execution_context()
-        names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
-        mode = module.TensorIOMode.INPUT
-        self.inputs = [n for n in names if self.engine.get_tensor_mode(n) == mode]
-        self.outputs = [n for n in names if self.engine.get_tensor_mode(n) != mode]
+        opened = trt_shim.open_engine(engine_path, hint="; build it with tools/build_engines.py")
+        self.trt, self.runtime = opened.trt, opened.runtime  # the runtime must outlive the engine
+        self.engine, self.context = opened.engine, opened.context
+        self.inputs, self.outputs = opened.inputs, opened.outputs
         self.comm: Any = None
 
     def attach(self, comm: Any) -> None:
@@ -194,15 +184,7 @@ def run_distributed_trt(
 
     manifest = read_manifest(directory)
     engines = engine_paths(directory, engine_pattern)
-    if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            raise UserError("run under torchrun (RANK/WORLD_SIZE are not set)")
-        dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if world != manifest["tp"]:
-        raise UserError(
-            f"{directory} holds {manifest['tp']} ranks; launch with --nproc-per-node {manifest['tp']}"
-        )
+    rank, world = join_torchrun(directory, manifest["tp"])
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     engine = TrtRank(engines[rank])
     engine.attach(nccl_communicator(rank, world))
