@@ -36,7 +36,7 @@ import onnx_ir as ir
 import torch
 from torch import nn
 
-from exporters.llama import MLP, RMSNorm, build_model, rotate_half
+from exporters.llama import Attention, DecoderBlock, RMSNorm, build_model
 from exporters.onnx_export import quiet_export as _quiet
 from exporters.spec import BlockSpec, ModelSpec
 
@@ -58,16 +58,8 @@ def present_names(layer: int) -> tuple[str, str]:
     return f"present_key_{layer}", f"present_value_{layer}"
 
 
-class CachedAttention(nn.Module):
+class CachedAttention(Attention):
     """exporters.llama.Attention (same parameters) with an explicit past K/V concatenated in front."""
-
-    def __init__(self, spec: ModelSpec) -> None:
-        super().__init__()
-        self.heads, self.kv_heads, self.head_dim = spec.heads, spec.kv_heads, spec.resolved_head_dim
-        self.q_proj = nn.Linear(spec.hidden, self.heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(spec.hidden, self.kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(spec.hidden, self.kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, spec.hidden, bias=False)
 
     def forward(
         self,
@@ -78,31 +70,16 @@ class CachedAttention(nn.Module):
         past_k: torch.Tensor,
         past_v: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q = self.q_proj(x).unflatten(-1, (self.heads, self.head_dim)).transpose(1, 2)  # b, h, s, d
-        k = self.k_proj(x).unflatten(-1, (self.kv_heads, self.head_dim)).transpose(1, 2)  # b, kv, s, d
-        v = self.v_proj(x).unflatten(-1, (self.kv_heads, self.head_dim)).transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k, v = self.project(x, cos, sin)
         k_all = torch.cat((past_k, k), dim=2)  # b, kv, past + s, d
         v_all = torch.cat((past_v, v), dim=2)
-        q = q.unflatten(1, (self.kv_heads, self.heads // self.kv_heads))  # b, kv, groups, s, d
-        scores = torch.matmul(q, k_all.unsqueeze(2).transpose(-1, -2)) * (self.head_dim**-0.5) + bias
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out = torch.matmul(probs, v_all.unsqueeze(2)).flatten(1, 2)  # b, h, s, d
-        return self.o_proj(out.transpose(1, 2).flatten(2)), k_all, v_all
+        return self.attend(q, k_all, v_all, bias), k_all, v_all
 
 
-class CachedBlock(nn.Module):
+class CachedBlock(DecoderBlock):
     """exporters.llama.DecoderBlock with a cache: same parameter names, attention optional."""
 
-    def __init__(self, spec: ModelSpec, index: int) -> None:
-        super().__init__()
-        self.has_attention = spec.blocks[index].attention
-        if self.has_attention:
-            self.input_layernorm = RMSNorm(spec.hidden, spec.eps)
-            self.self_attn = CachedAttention(spec)
-        self.post_attention_layernorm = RMSNorm(spec.hidden, spec.eps)
-        self.mlp = MLP(spec.hidden, spec.blocks[index].ffn_width)
+    attention_class = CachedAttention
 
     def forward(
         self,

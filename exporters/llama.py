@@ -63,13 +63,19 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor) -> torch.Tensor:
+        return self.attend(*self.project(x, cos, sin), mask)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [b, h, s, d] and k, v [b, kv, s, d], with rotary embeddings applied to q and k."""
+        q = self.q_proj(x).unflatten(-1, (self.heads, self.head_dim)).transpose(1, 2)
+        k = self.k_proj(x).unflatten(-1, (self.kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).unflatten(-1, (self.kv_heads, self.head_dim)).transpose(1, 2)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         # Shapes are written without symbolic batch/seq sizes and GQA broadcasts instead of repeating K/V:
         # the export is faster and the graph has no per-block Shape ops.
-        q = self.q_proj(x).unflatten(-1, (self.heads, self.head_dim)).transpose(1, 2)  # b, h, s, d
-        k = self.k_proj(x).unflatten(-1, (self.kv_heads, self.head_dim)).transpose(1, 2)  # b, kv, s, d
-        v = self.v_proj(x).unflatten(-1, (self.kv_heads, self.head_dim)).transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
         q = q.unflatten(1, (self.kv_heads, self.heads // self.kv_heads))  # b, kv, groups, s, d
         scores = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * (self.head_dim ** -0.5) + mask
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
@@ -80,12 +86,14 @@ class Attention(nn.Module):
 class DecoderBlock(nn.Module):
     """One block: [input_layernorm -> self_attn -> residual add] (optional), post norm -> mlp -> add."""
 
+    attention_class: type[Attention] = Attention
+
     def __init__(self, spec: ModelSpec, index: int) -> None:
         super().__init__()
         self.has_attention = spec.blocks[index].attention
         if self.has_attention:
             self.input_layernorm = RMSNorm(spec.hidden, spec.eps)
-            self.self_attn = Attention(spec)
+            self.self_attn = self.attention_class(spec)
         self.post_attention_layernorm = RMSNorm(spec.hidden, spec.eps)
         self.mlp = MLP(spec.hidden, spec.blocks[index].ffn_width)
 
