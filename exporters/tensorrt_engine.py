@@ -165,7 +165,7 @@ def input_profiles(
         if all(isinstance(d, int) for d in dims):
             continue
         if name in explicit:
-            out[name] = explicit[name]
+            out[name] = _pin_static(explicit[name], dims)
             continue
         picked: list[Range] = []
         for axis, d in enumerate(dims):
@@ -183,6 +183,17 @@ def input_profiles(
             picked.append(found)
         out[name] = Profile(*(tuple(r[k] for r in picked) for k in range(3)))
     return out
+
+
+def _pin_static(profile: Profile, dims: Sequence[int | str | None]) -> Profile:
+    """`profile` with the graph's static dims kept (a model exported with batch 1 builds for batch 1)."""
+    if len(profile.min) != len(dims):
+        return profile  # _add_profile reports the rank mismatch
+
+    def pinned(shape: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(d if isinstance(d, int) else s for s, d in zip(shape, dims, strict=True))
+
+    return Profile(pinned(profile.min), pinned(profile.opt), pinned(profile.max))
 
 
 @dataclass
