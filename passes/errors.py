@@ -1,9 +1,14 @@
-"""User-facing errors: one line, no traceback, exit status 2."""
+"""User-facing errors: one line, no traceback, exit status 2 (3 for an internal error, a bug)."""
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
+
+# A bug, not bad input: a distinct exit status, and the traceback only when this variable is set.
+INTERNAL_ERROR_STATUS = 3
+TRACEBACK_VARIABLE = "FFN_FUSION_TRACEBACK"
 
 
 class UserError(Exception):
@@ -20,4 +25,23 @@ def run_cli(main: Callable[[], int | None]) -> None:
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         sys.exit(130)
+    except Exception as exc:  # a failed pass post-condition or any other bug: one line, no traceback
+        if os.environ.get(TRACEBACK_VARIABLE):
+            raise
+        print(
+            f"error: internal error: {describe_internal_error(exc)} (a bug, not your input; "
+            f"rerun with {TRACEBACK_VARIABLE}=1 for the traceback and report it)",
+            file=sys.stderr,
+        )
+        sys.exit(INTERNAL_ERROR_STATUS)
     sys.exit(code or 0)
+
+
+def describe_internal_error(exc: BaseException) -> str:
+    """One line: the exception and its causes (onnx-ir wraps a failed post-condition around its cause)."""
+    parts = []
+    while exc is not None and len(parts) < 4:
+        text = (str(exc).strip().splitlines() or [""])[0]
+        parts.append(f"{type(exc).__name__}: {text}" if text else type(exc).__name__)
+        exc = exc.__cause__
+    return " <- ".join(parts)

@@ -44,11 +44,11 @@ class Norm:
 
 def match_rmsnorm(output: ir.Value) -> Norm:
     """Recognize the RMSNorm that produces `output`."""
-    node = producer(output, "Mul", "Cast", *FUSED_NORM_OPS)
+    node = producer(output, "Mul", "Div", "Cast", *FUSED_NORM_OPS)
     if node.op_type in FUSED_NORM_OPS:
         return _match_fused(node, output)
     weight_index = _weight_operand(node) if node.op_type == "Mul" else None
-    if weight_index is None:  # x / rms(x) alone: a unit weight (a "fold"-fused model has these)
+    if weight_index is None:  # x * rsqrt(.) or x / sqrt(.) alone: a unit weight ("fold"-fused models)
         stream, eps = _match_normalize(strip_cast(output))
         return Norm("decomposed", stream, output, None, None, output, eps)
     unscaled = node.inputs[1 - weight_index]

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import onnxruntime as ort
 import pytest
+import torch
 
 from exporters.synthetic import FFNS, NORMS, SyntheticSpec, build_synthetic
 from passes.blocks import find_blocks
-from passes.model_io import load_model
+from passes.model_io import load_model, load_proto
 from passes.pipeline import fuse_file
 from passes.plan import Plan
 
@@ -70,3 +73,62 @@ def test_skip_simplified_layer_norm_runs_in_onnx_runtime(tmp_path):
     path = build_synthetic(spec_for("skip_simplified_ln", "matmul"), tmp_path / "model.onnx")
     logits = ort.InferenceSession(str(path)).run(None, {"input_ids": np.arange(6).reshape(1, 6)})[0]
     assert logits.shape == (1, 6, 64) and np.isfinite(logits).all()
+
+
+class _DivNorm(torch.nn.Module):
+    """weight * (x / sqrt(mean(x^2) + eps)): TorchScript writes Div(x, Sqrt(.)) -> Mul(weight, .)."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(1 + 0.1 * torch.randn(hidden))
+
+    def forward(self, x):
+        return self.weight * (x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+
+
+class _DivNormModel(torch.nn.Module):
+    def __init__(self, hidden: int = 32, widths=(48, 64, 40), vocab: int = 64) -> None:
+        super().__init__()
+        linear = torch.nn.Linear
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.norms = torch.nn.ModuleList(_DivNorm(hidden) for _ in widths)
+        self.ffns = torch.nn.ModuleList(
+            torch.nn.ModuleList(
+                [linear(hidden, w, bias=False), linear(hidden, w, bias=False), linear(w, hidden, bias=False)]
+            )
+            for w in widths
+        )
+        self.final = _DivNorm(hidden)
+        self.head = linear(hidden, vocab, bias=False)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for norm, (gate, up, down) in zip(self.norms, self.ffns, strict=True):
+            z = norm(x)
+            x = x + down(torch.nn.functional.silu(gate(z)) * up(z))
+        return self.head(self.final(x))
+
+
+def test_torchscript_div_sqrt_norm_fuses_in_both_modes(tmp_path):
+    """Issue 9.6: "fold" left the fused FFN reading Div(x, Sqrt(.)), which the recognizer did not know,
+    so the fuse pass's post-condition failed with a traceback."""
+    torch.manual_seed(0)
+    path = tmp_path / "torchscript.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            _DivNormModel().eval(),
+            (torch.zeros(2, 7, dtype=torch.int64),),
+            str(path),
+            dynamo=False,
+            opset_version=17,
+            input_names=["input_ids"],
+            output_names=["logits"],
+            dynamic_axes={"input_ids": {0: "batch", 1: "seq"}},
+        )
+    assert "Div" in {n.op_type for n in load_proto(path).graph.node}
+    assert [b.width for b in find_blocks(load_model(path))] == [48, 64, 40]
+    for mode in ("last", "fold"):
+        result = fuse_file(path, Plan(((0, 1),), mode), tmp_path / f"{mode}.onnx")
+        assert result.report.ok and result.report.groups[0].rel_error < 1e-5, result.report.lines()
+        assert [b.width for b in find_blocks(load_model(result.output))] == [112, 40]
