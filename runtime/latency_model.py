@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
+from exporters.spec import ffn_width, super49b_pattern
 from passes.errors import UserError
 from runtime.latency_constants import CONSTANTS, value
 
@@ -300,15 +301,6 @@ def param_count(spec: ModelSpec, blocks: Sequence[LayerShape] | None = None) -> 
     return total
 
 
-def ceil256(x: float) -> int:
-    return int(math.ceil(x / 256) * 256)
-
-
-def ffn_width_from_mult(ffn_mult: float, hidden: int) -> int:
-    """Puzzle / DeciLM rule (DESIGN 6): ceil256(int(2 * ffn_mult * hidden / 3))."""
-    return ceil256(int(2 * ffn_mult * hidden / 3))
-
-
 def _split_even(total: int, parts: int, unit: int = 256) -> list[int]:
     """`total` split into `parts` multiples of `unit`, as even as possible, summing exactly to `total`."""
     units, rem = divmod(total // unit, parts)
@@ -342,7 +334,7 @@ ULTRA_OTHER_FFN_MULT = 3.21875
 def ultra_253b() -> ModelSpec:
     """Reconstructed pre-fusion Ultra-253B block table (126 blocks; paper numbering)."""
     hidden = 16384
-    other = ffn_width_from_mult(ULTRA_OTHER_FFN_MULT, hidden)
+    other = ffn_width(ULTRA_OTHER_FFN_MULT, hidden)
     widths = [other] * 126
     for (i, j), fused in zip(ULTRA_GROUPS, ULTRA_FUSED_WIDTHS, strict=True):
         widths[i : j + 1] = _split_even(fused, j - i + 1)
@@ -363,30 +355,12 @@ def ultra_253b() -> ModelSpec:
     return ModelSpec("Ultra-253B", hidden, 128, 8, 128256, blocks, ULTRA_GROUPS, paper, assumptions)
 
 
-# DESIGN 6: (first block, last block, attention?, ffn_mult per block)
-_SUPER_49B_LAYOUT: tuple[tuple[int, int, bool, tuple[float, ...]], ...] = (
-    (0, 0, True, (2.625,)),
-    (1, 5, True, (5.25,)),
-    (6, 7, False, (2.625,)),
-    (8, 10, True, (5.25,)),
-    (11, 11, False, (3.28125,)),
-    (12, 41, True, (5.25,)),
-    (42, 51, False, (1.3125, 2.625, 2.625, 1.3125, 5.25, 1.3125, 2.625, 1.3125, 1.3125, 1.3125)),
-    (52, 52, True, (5.25,)),
-    (53, 70, False, (1.3125, 1, 1, 1.3125, 1, 1, 1, 1.3125, 1.3125, 0.5, 0.5, 1, 1, 0.5, 0.5, 1, 0.5, 0.5)),
-    (71, 79, True, (5.25,)),
-)
 SUPER_GROUPS = ((42, 50), (53, 69))
 
 
 def super_49b() -> ModelSpec:
     hidden = 8192
-    blocks: list[LayerShape] = []
-    for first, last, attention, mults in _SUPER_49B_LAYOUT:
-        count = last - first + 1
-        per_block = mults if len(mults) == count else mults * count
-        blocks += [LayerShape(attention, ffn_width_from_mult(m, hidden)) for m in per_block]
-    assert len(blocks) == 80
+    blocks = [LayerShape(attention, ffn_width(m, hidden)) for attention, m in super49b_pattern()]
     return ModelSpec(
         "Super-49B",
         hidden,
