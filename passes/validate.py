@@ -23,6 +23,7 @@ import onnxruntime as ort
 from passes.blocks import Block, find_blocks, vocab_size
 from passes.errors import UserError
 from passes.fuse import PLAN_METADATA_KEY
+from passes.graph_inputs import FeedError, Signature
 from passes.model_io import load_model, load_proto, weight_bytes
 from passes.plan import Plan, parse_plan
 from passes.reference import parallel_sum
@@ -184,27 +185,13 @@ def _with_outputs(path: Path, names: list[str]) -> onnx.ModelProto:
 
 
 def _input_feed(proto: onnx.ModelProto, tokens: np.ndarray) -> dict[str, np.ndarray]:
-    """Feeds for every graph input: the tokens, and for decode graphs an all-ones attention mask and an
-    empty KV cache (past length 0), so that prefill-only and decode exports are checked alike."""
-    feeds: dict[str, np.ndarray] = {}
-    for index, graph_input in enumerate(proto.graph.input):
-        tensor_type = graph_input.type.tensor_type
-        dims = [d.dim_value if d.HasField("dim_value") else None for d in tensor_type.shape.dim]
-        if index == 0:
-            feeds[graph_input.name] = tokens.reshape(-1) if len(dims) == 1 else tokens
-        elif graph_input.name == "attention_mask":
-            feeds[graph_input.name] = np.ones_like(tokens)
-        elif graph_input.name == "position_ids":
-            feeds[graph_input.name] = np.broadcast_to(np.arange(tokens.shape[-1]), tokens.shape).copy()
-        elif len(dims) == 4 and dims[1] and dims[3]:  # past key/value [batch, kv_heads, past_len, head_dim]
-            dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type)
-            dtype = np.float32 if tensor_type.elem_type in HALF_TYPES else dtype
-            feeds[graph_input.name] = np.zeros((tokens.shape[0], dims[1], 0, dims[3]), dtype)
-        else:
-            raise ValidationError(
-                f"validation cannot feed graph input {graph_input.name!r}; use --no-validate"
-            )
-    return feeds
+    """Feeds for every graph input (passes/graph_inputs.py): the tokens, and for decode graphs an all-ones
+    attention mask, positions and an empty KV cache (past length 0), so that prefill-only and decode
+    exports are checked alike."""
+    try:
+        return Signature.of(proto).feeds(tokens)
+    except FeedError as exc:
+        raise ValidationError(f"validation {exc}; use --no-validate") from None
 
 
 def _run(proto: onnx.ModelProto, folder: Path, tokens: np.ndarray) -> list[np.ndarray]:

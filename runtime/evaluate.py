@@ -16,8 +16,9 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from passes.analysis import input_feed, session
+from passes.analysis import session
 from passes.errors import UserError
+from passes.graph_inputs import Signature
 from passes.model_io import load_proto
 from runtime.text import TextSet
 
@@ -90,18 +91,31 @@ class Evaluator:
         self.paths = (Path(original), Path(fused))
         self.protos = [load_proto(p) for p in self.paths]
         self.sessions = [session(proto, p.parent) for proto, p in zip(self.protos, self.paths, strict=True)]
+        self.signatures = [Signature.of(proto) for proto in self.protos]
 
     def logits(self, k: int, ids: np.ndarray) -> np.ndarray:
-        logits = self.sessions[k].run(None, input_feed(self.protos[k], ids))[0]
+        signature = self.signatures[k]
+        logits = self.sessions[k].run([signature.logits.name], signature.feeds(ids))[0]
         return logits.reshape(*ids.shape, -1)
+
+    def batch_size(self, wanted: int) -> int:
+        """`wanted` windows per call, capped by a batch dim either model fixes (a flat model: 1)."""
+        return min(s.batch_size(wanted) for s in self.signatures)
+
+    def check_window(self, window: int) -> None:
+        for path, signature in zip(self.paths, self.signatures, strict=True):
+            if signature.fixed_seq not in (None, window):
+                raise UserError(f"{path} takes exactly {signature.fixed_seq} tokens: use --window "
+                                f"{signature.fixed_seq}")
 
     def compare(self, text: TextSet, batch: int = 4, progress: bool = True) -> QualityResult:
         return self.sums(text, batch, progress).result(text.name)
 
     def sums(self, text: TextSet, batch: int = 4, progress: bool = True) -> _Sums:
         sums = _Sums()
-        flat = len(self.protos[0].graph.input[0].type.tensor_type.shape.dim) == 1
-        step = 1 if flat else batch  # a flat model ([seq] input) takes one window at a time
+        if text.windows.size:
+            self.check_window(text.windows.shape[-1])
+        step = self.batch_size(batch)
         bar = tqdm(
             total=len(text.windows),
             desc=f"evaluate {text.name}",
