@@ -181,11 +181,11 @@ def _check_side_inputs(blocks: list[Block], sides: list[list[str]], stream: set[
                 )
 
 
-def _fill_stream_types(proto: onnx.ModelProto, blocks: list[Block]) -> None:
+def _fill_stream_types(proto: onnx.ModelProto, blocks: list[Block], extra: Iterable[str] = ()) -> None:
     types = _value_types(proto)
     first = types.get(blocks[0].block_input.name)
     elem = first.type.tensor_type.elem_type if first is not None else onnx.TensorProto.FLOAT
-    names = [b.block_input.name for b in blocks] + [blocks[-1].residual.output.name]
+    names = [b.block_input.name for b in blocks] + [blocks[-1].residual.output.name, *extra]
     for name in names:
         if name not in types:
             proto.graph.value_info.append(onnx.helper.make_tensor_value_info(name, elem, None))
@@ -204,6 +204,7 @@ class BlockRunner:
         self.cuts = cut_blocks(self.path, self.blocks, self.proto)
         self.threads = threads
         self._sessions: dict[int, ort.InferenceSession] = {}
+        self._attention: dict[int, tuple[list[str], ort.InferenceSession]] = {}
         self.side: dict[str, np.ndarray] = {}
         self.logits: np.ndarray | None = None
 
@@ -217,12 +218,15 @@ class BlockRunner:
             self.cuts[k].proto = onnx.ModelProto()  # the session holds the weights now
         return self._sessions[k]
 
-    def capture(self, tokens: np.ndarray) -> dict[str, np.ndarray]:
-        """Run the whole model once; keep logits, every block's input/output and all side tensors."""
-        proto, types = self.proto, _value_types(self.proto)
+    def capture(self, tokens: np.ndarray, extra: Iterable[str] = ()) -> dict[str, np.ndarray]:
+        """Run the whole model once; keep logits, every block's input/output, all side tensors and the
+        `extra` values (e.g. the stream entering a block's FFN, after its attention)."""
+        proto = self.proto
+        _fill_stream_types(proto, self.blocks, extra)
+        types = _value_types(proto)
         feed = input_feed(proto, tokens)
         existing = [o.name for o in proto.graph.output]
-        names = {c.input_name for c in self.cuts} | {c.output_name for c in self.cuts}
+        names = {c.input_name for c in self.cuts} | {c.output_name for c in self.cuts} | set(extra)
         names |= {n for c in self.cuts for n in c.side_inputs}
         wanted = sorted(names - set(feed) - set(existing))
         proto.graph.output.extend(types[n] for n in wanted)  # temporarily: the proto holds the weights
@@ -241,8 +245,22 @@ class BlockRunner:
     def close(self) -> None:
         """Drop the sessions and subgraphs (their weights) once the analysis is done."""
         self._sessions.clear()
+        self._attention.clear()
         self.cuts = []
         self.proto = onnx.ModelProto()
+
+    def run_attention(self, k: int, stream: np.ndarray) -> np.ndarray:
+        """The stream entering block k's FFN (after its attention sub-block) for block input `stream`."""
+        if k not in self._attention:
+            block = self.blocks[k]
+            start, end = block.block_input.name, block.ffn_input.name
+            side = _Graph(self.proto).block_side_inputs(start, end)
+            _fill_stream_types(self.proto, self.blocks, [end])
+            sub = onnx.utils.Extractor(self.proto).extract_model([start, *side], [end])
+            self._attention[k] = (side, session(sub, self.path.parent, self.threads))
+        side, sess = self._attention[k]
+        feed = {self.cuts[k].input_name: stream, **{n: self.side[n] for n in side}}
+        return sess.run(None, feed)[0]
 
     def run_block(self, k: int, stream: np.ndarray) -> np.ndarray:
         """Block k's output stream for input `stream` (side tensors from the last capture)."""

@@ -1,0 +1,104 @@
+"""Heal a fused model: fit each fused group's wide FFN to the original blocks' sequential output on
+calibration tokens (blockwise local distillation, torch), and write the healed model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from passes.errors import run_cli
+from runtime.heal import HEAL_DEFAULTS, INPUT_MODES, LOSSES, HealConfig, run_heal
+
+EPILOG = """\
+examples:
+  heal.py model.onnx model.fused.onnx -o model.healed.onnx             default calibration text
+  heal.py model.onnx model.fused.onnx --calib a.txt b.txt --tokens 4096 --steps 300 -o healed.onnx
+  heal.py model.onnx model.fused.onnx --calib ids.npy -o healed.onnx   token ids (any integer .npy)
+
+The plan comes from the fused model's metadata (ffn_fusion.plan); the healed model has the same graph,
+only the fused groups' weights change, and records the healing in ffn_fusion.heal. Default calibration
+text: license texts and Python standard-library modules that tools/evaluate.py never uses; per-group
+held-out errors and the whole-model quality (perplexity, top-1 agreement, KL) use evaluate.py's texts.
+"""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="heal.py",
+        description=__doc__,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("original", type=Path, help="the original ONNX model (before fusion)")
+    parser.add_argument("fused", type=Path, help="the fused model (fuse_onnx.py output)")
+    parser.add_argument("-o", "--output", type=Path, required=True, help="the healed model to write")
+    parser.add_argument(
+        "--calib", type=Path, nargs="+", metavar="FILE", help="calibration text files or one ids .npy"
+    )
+    parser.add_argument(
+        "--heldout", type=Path, nargs="+", metavar="FILE", help="held-out text files or one ids .npy"
+    )
+    parser.add_argument("--tokens", type=int, default=HEAL_DEFAULTS.tokens, help="calibration tokens used")
+    parser.add_argument("--steps", type=int, default=HealConfig.steps, help="Adam steps per group")
+    parser.add_argument("--lr", type=float, default=HealConfig.lr, help="peak learning rate (cosine decay)")
+    parser.add_argument("--batch-tokens", type=int, default=HealConfig.batch_tokens, help="tokens per step")
+    parser.add_argument(
+        "--inputs",
+        choices=INPUT_MODES,
+        default=HealConfig.inputs,
+        help="group inputs from the model healed so far (default) or from the original",
+    )
+    parser.add_argument(
+        "--loss",
+        choices=LOSSES,
+        default=HealConfig.loss,
+        help="mse: squared error over all tokens (default); token: per-token normalized",
+    )
+    parser.add_argument(
+        "--heldout-tokens",
+        type=int,
+        default=HEAL_DEFAULTS.heldout_tokens,
+        help="held-out tokens per text set for the per-group errors",
+    )
+    parser.add_argument(
+        "--eval-tokens",
+        type=int,
+        default=HEAL_DEFAULTS.eval_tokens,
+        help="held-out tokens per text set for the whole-model quality (0: skip it)",
+    )
+    parser.add_argument("--window", type=int, default=HEAL_DEFAULTS.window, help="tokens per window")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--quiet", action="store_true", help="no progress messages")
+    args = parser.parse_args(argv)
+    for name in ("tokens", "window", "heldout_tokens", "batch_tokens"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.steps < 0 or args.eval_tokens < 0 or not args.lr > 0:
+        parser.error("--steps and --eval-tokens must be >= 0, --lr > 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    config = HealConfig(args.steps, args.lr, args.batch_tokens, args.inputs, args.loss)
+    quiet = args.quiet or args.json
+    report = run_heal(
+        args.original,
+        args.fused,
+        args.output,
+        config,
+        calib=args.calib,
+        tokens=args.tokens,
+        heldout_tokens=args.heldout_tokens,
+        eval_tokens=args.eval_tokens,
+        window=args.window,
+        heldout=args.heldout,
+        log=(lambda m: None) if quiet else print,
+    )
+    print(json.dumps(report.to_json(), indent=1) if args.json else "\n".join(report.lines()))
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)
