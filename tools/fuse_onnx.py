@@ -35,7 +35,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("model", type=Path, help="ONNX model (external data beside it is read in place)")
-    parser.add_argument("plan", type=Path, nargs="?", help="plan.json with the groups to fuse")
+    parser.add_argument(
+        "plan", type=Path, nargs="?", help="plan.json with the groups to fuse (--verify: the fused model)"
+    )
     parser.add_argument(
         "-o", "--output", type=Path, help="output path (default: MODEL.fused.onnx beside the input)"
     )
@@ -46,13 +48,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--verify",
-        type=Path,
-        metavar="FUSED",
-        help="re-check FUSED against MODEL using the plan in its metadata",
+        action="store_true",
+        help="MODEL FUSED: re-check FUSED against MODEL using the plan in its metadata",
     )
-    args = parser.parse_args(argv)
+    # Intermixed, so that `--verify MODEL FUSED` and `MODEL --verify FUSED` both read as two paths.
+    args = parser.parse_intermixed_args(argv)
+    if args.verify and args.plan is None:
+        parser.error("--verify needs two models: --verify original.onnx fused.onnx")
     if not (args.show_blocks or args.verify) and args.plan is None:
-        parser.error("a plan.json is required (or --show-blocks / --verify FUSED)")
+        parser.error("a plan.json is required (or --show-blocks / --verify MODEL FUSED)")
+    args.fused = args.plan if args.verify else None
     return args
 
 
@@ -66,8 +71,11 @@ def show_blocks(args: argparse.Namespace) -> int:
 
 
 def verify(args: argparse.Namespace) -> int:
-    plan = plan_from_metadata(args.verify)
-    report = validate(args.model, args.verify, plan)
+    for path in (args.model, args.fused):
+        if not path.is_file():
+            raise UserError(f"model {path} does not exist")
+    plan = plan_from_metadata(args.fused)
+    report = validate(args.model, args.fused, plan)
     if args.json:
         print(json.dumps({"ok": report.ok, "plan": json.loads(plan.to_json()), "checks": report.lines()}))
     else:
