@@ -19,16 +19,19 @@ weight, and the FP8 values are a LazyTensor computed from it again when the mode
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import math
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
+import onnx
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
@@ -384,27 +387,79 @@ def _initializer(graph: ir.Graph, name: str, tensor: ir.TensorProtocol) -> ir.Va
     return value
 
 
+# ONNX Runtime registers some contrib ops (SimplifiedLayerNormalization, ...) in the default domain. onnx's
+# version converter has no schema for them and refuses the whole graph, but leaves other domains alone:
+# they wait in this domain while the opset is raised.
+_ASIDE_DOMAIN = "ffn_fusion.no_onnx_schema"
+_CONVERTER_FAILURES = ("Failed to convert", "Skipping version conversion")
+
+
 def _raise_opset(model: ir.Model, target: int) -> tuple[int, int]:
-    before = model.opset_imports.get("", model.graph.opset_imports.get("", 1))
+    """Raise the default opset to `target`, converting every node that changed on the way (ReduceMean's
+    axes attribute becomes an input at 18, ...): onnxscript's converter from opset 18, onnx's own below
+    it. Weights are not read (the converters see the graph without its large initializers)."""
+    before = model.opset_imports.get("", 1)
     if before >= target:
         return before, before
-    from onnxscript import version_converter
+    from onnxscript.version_converter import ConvertVersionPass
 
-    try:
-        version_converter.convert_version(model, target)
-    except Exception as exc:  # the converter raises assorted errors for ops it has no adapter for
-        first_line = (str(exc).strip().splitlines() or [""])[0]
-        raise UserError(
-            f"cannot raise the model's opset from {before} to {target} for FP8 Q/DQ "
-            f"({type(exc).__name__}: {first_line}); re-export it with opset >= {MIN_FP8_OPSET}"
-        ) from None
+    _move_domain(model, "", _ASIDE_DOMAIN, lambda node: not onnx.defs.has(node.op_type, ""))
+    with _captured_warnings("onnxscript.version_converter") as warnings:
+        try:
+            ConvertVersionPass(target, fallback=True)(model)
+        except Exception as exc:  # the converters raise assorted errors for ops they cannot convert
+            warnings.append(f"{type(exc).__name__}: {str(exc).strip()}")
+            warnings[-1] = f"{_CONVERTER_FAILURES[0]}: {warnings[-1]}"
+    _move_domain(model, _ASIDE_DOMAIN, "", lambda node: True)
+    failures = [w.splitlines()[0] for w in warnings if w.startswith(_CONVERTER_FAILURES)]
     after = model.opset_imports.get("", before)
-    if after < MIN_FP8_OPSET:
+    problem = failures[0] if failures else _schema_violation(model, after)
+    if after < MIN_FP8_OPSET or problem:
         raise UserError(
-            f"cannot raise the model's opset from {before} to {target} for FP8 Q/DQ; "
-            f"re-export it with opset >= {MIN_FP8_OPSET}"
+            f"cannot raise the model's opset from {before} to {target} for FP8 Q/DQ"
+            + (f" ({problem})" if problem else "")
+            + f"; re-export it with opset >= {target}"
         )
     return before, after
+
+
+def _move_domain(model: ir.Model, source: str, target: str, chosen) -> None:
+    moved = False
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        if node.domain == source and chosen(node):
+            node.domain, moved = target, True
+    if source == _ASIDE_DOMAIN:
+        model.opset_imports.pop(source, None)
+    elif moved:
+        model.opset_imports[target] = 1
+
+
+@contextlib.contextmanager
+def _captured_warnings(logger_name: str) -> Iterator[list[str]]:
+    """Collect a logger's warnings instead of printing them (the converter logs its failures)."""
+    records: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: records.append(record.getMessage())
+    logger = logging.getLogger(logger_name)
+    logger.addHandler(handler)
+    propagate, logger.propagate = logger.propagate, False
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagate
+
+
+def _schema_violation(model: ir.Model, opset: int) -> str | None:
+    """A node the conversion left invalid at `opset` (an attribute its schema no longer has), if any."""
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        if node.domain != "" or not onnx.defs.has(node.op_type, ""):
+            continue
+        schema = onnx.defs.get_schema(node.op_type, opset, "")
+        unknown = sorted(set(node.attributes) - set(schema.attributes))
+        if unknown:
+            return f"{node.op_type} node {node.name!r} keeps attribute {unknown[0]!r}, gone at opset {opset}"
+    return None
 
 
 class _Rewriter:
@@ -471,6 +526,19 @@ class _Rewriter:
         return dequant.outputs[0]
 
 
+def _choose(linears: list[Linear], quantize_lm_head: bool, report: QuantReport) -> list[Linear]:
+    """The linear layers to quantize (all but the lm_head, unless asked); names the unnamed ones."""
+    chosen = []
+    for index, linear in enumerate(linears):
+        if not linear.node.name:
+            linear.node.name = f"MatMul_fp8_{index}"
+        if linear.is_lm_head and not quantize_lm_head:
+            report.skipped[linear.node.name] = "lm_head (keeps its precision; quantize_lm_head=True)"
+        else:
+            chosen.append(linear)
+    return chosen
+
+
 def quantize_fp8(
     model: ir.Model,
     act_scales: Mapping[str, float] | ActivationScales,
@@ -485,16 +553,8 @@ def quantize_fp8(
     opset to `target_opset` (at least 19 is needed for float8). Unused source weights are removed.
     """
     scales = act_scales.scales if isinstance(act_scales, ActivationScales) else dict(act_scales)
-    linears = find_linears(model.graph)
     report = QuantReport()
-    chosen = []
-    for index, linear in enumerate(linears):
-        if not linear.node.name:
-            linear.node.name = f"MatMul_fp8_{index}"
-        if linear.is_lm_head and not quantize_lm_head:
-            report.skipped[linear.node.name] = "lm_head (keeps its precision; quantize_lm_head=True)"
-        else:
-            chosen.append(linear)
+    chosen = _choose(find_linears(model.graph), quantize_lm_head, report)
     missing = sorted({lin.activation.name for lin in chosen if lin.activation.name not in scales})
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
@@ -503,6 +563,9 @@ def quantize_fp8(
             "calibrate this model (the scales file belongs to another graph)"
         )
     report.opset = _raise_opset(model, target_opset)
+    if report.opset[0] != report.opset[1]:  # onnx's converter rebuilds the graph: find them in the new one
+        report.skipped.clear()
+        chosen = _choose(find_linears(model.graph), quantize_lm_head, report)
     rewriter = _Rewriter(model)
     for linear in chosen:
         a = rewriter.activation(linear, scales[linear.activation.name], report)
