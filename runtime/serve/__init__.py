@@ -1,0 +1,13 @@
+"""An OpenAI-compatible inference service over decode graphs, TensorRT engines and TP folders.
+
+    served = loading.load("model_folder/")                   # graph + tokenizer + limits
+    app = app.create_app(served, max_batch=8, max_queue=64)  # FastAPI app; run it with uvicorn
+
+- loading.py: MODEL (ONNX file, export folder, engines folder, TP folder) -> ServedModel
+- batch.py: running sequences as one left-padded KV-cache batch (continuous batching at step level)
+- scheduler.py: the worker thread's step loop, bounded waiting queue, cancellation
+- sampling.py: greedy / temperature / top_p with a per-request seeded generator
+- protocol.py: request bodies, OpenAI error JSON, incremental text with stop strings
+- app.py: the HTTP routes (FastAPI + sse-starlette); metrics.py: Prometheus metrics
+- bench.py: the serving benchmark (tools/bench_serve.py)
+"""

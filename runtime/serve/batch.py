@@ -1,0 +1,141 @@
+"""Step-level batching of running sequences over one decode graph (runtime.generate.DecodeModel).
+
+`CachedRunner` keeps the KV caches of every running sequence as ONE left-padded batch:
+
+    mask   int64 [rows, T]                   1 = a real token of that row, 0 = left padding
+    cache  name -> [rows, kv_heads, T, head_dim]
+
+Each row is right-aligned, so every decode step feeds the batch as it is (one new token per row, a column
+of ones appended to the mask) and the graph's present tensors are the next step's past: nothing is copied
+between steps. A row is padded on the left only when the batch's composition changes (a sequence joins
+with a different length, or leaves and the common left padding is trimmed). Padding slots have mask 0:
+the decode graph gives them zero attention weight and computes positions as cumsum(mask) - 1, so a row's
+logits do not depend on its neighbours (up to float summation order; greedy equality is tested).
+
+Prefill runs per sequence (batch 1) from an empty cache; its cache then joins the batch.
+
+`RecomputeRunner` serves graphs without a KV cache: every step re-runs each sequence's whole token list,
+left-padded together when the graph takes an attention_mask, else in groups of equal length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Protocol
+
+import numpy as np
+
+from runtime.generate import DecodeModel, left_pad
+
+BATCH_AXIS, SEQ_AXIS = 0, 2  # of cache tensors [batch, kv_heads, past_len, head_dim]
+
+
+class Runner(Protocol):
+    """What the scheduler drives: prefill one sequence, then decode all running ones a step at a time."""
+
+    def prefill(self, key: Hashable, prompt: Sequence[int]) -> np.ndarray: ...  # last logits [vocab]
+
+    def decode(self, tokens: dict[Hashable, int]) -> dict[Hashable, np.ndarray]: ...  # key -> [vocab]
+
+    def release(self, key: Hashable) -> None: ...
+
+    def __len__(self) -> int: ...
+
+
+def runner_for(model: DecodeModel) -> Runner:
+    return CachedRunner(model) if model.cached else RecomputeRunner(model)
+
+
+def _pad_left(array: np.ndarray, width: int, axis: int) -> np.ndarray:
+    if width == 0:
+        return array
+    pad = [(0, 0)] * array.ndim
+    pad[axis] = (width, 0)
+    return np.pad(array, pad)
+
+
+class CachedRunner:
+    """Running sequences of a decode graph with a KV cache, as one left-padded batch (module docstring)."""
+
+    def __init__(self, model: DecodeModel) -> None:
+        self.model = model
+        self.keys: list[Hashable] = []
+        self.mask = np.zeros((0, 0), dtype=np.int64)
+        self.cache: dict[str, np.ndarray] = model.empty_cache(0)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def prefill(self, key: Hashable, prompt: Sequence[int]) -> np.ndarray:
+        ids = np.asarray([prompt], dtype=np.int64)
+        mask = np.ones_like(ids)
+        logits, cache = self.model.forward(ids, mask, self.model.empty_cache(1))
+        self._join(key, mask, cache)
+        return logits[0, -1]
+
+    def _join(self, key: Hashable, mask: np.ndarray, cache: dict[str, np.ndarray]) -> None:
+        width = max(self.mask.shape[1], mask.shape[1])
+        old, new = width - self.mask.shape[1], width - mask.shape[1]
+        self.mask = np.concatenate([_pad_left(self.mask, old, 1), _pad_left(mask, new, 1)])
+        for name, array in cache.items():
+            merged = [_pad_left(self.cache[name], old, SEQ_AXIS), _pad_left(array, new, SEQ_AXIS)]
+            self.cache[name] = np.concatenate(merged, axis=BATCH_AXIS)
+        self.keys.append(key)
+
+    def release(self, key: Hashable) -> None:
+        if key not in self.keys:
+            return
+        row = self.keys.index(key)
+        self.keys.pop(row)
+        self.mask = np.delete(self.mask, row, axis=0)
+        self.cache = {n: np.delete(a, row, axis=BATCH_AXIS) for n, a in self.cache.items()}
+        # drop the left columns that are padding in every remaining row
+        real = self.mask.any(axis=0)
+        start = int(real.argmax()) if real.any() else self.mask.shape[1]
+        if start:
+            self.mask = self.mask[:, start:]
+            self.cache = {n: np.ascontiguousarray(a[:, :, start:]) for n, a in self.cache.items()}
+
+    def decode(self, tokens: dict[Hashable, int]) -> dict[Hashable, np.ndarray]:
+        """One step for every running sequence: `tokens` holds each row's newest token."""
+        if set(tokens) != set(self.keys):
+            raise ValueError("decode needs exactly one new token per running sequence")
+        ids = np.asarray([[tokens[k]] for k in self.keys], dtype=np.int64)
+        mask = np.concatenate([self.mask, np.ones((len(self.keys), 1), dtype=np.int64)], axis=1)
+        logits, cache = self.model.forward(ids, mask, self.cache)
+        self.mask, self.cache = mask, cache
+        return {k: logits[row, -1] for row, k in enumerate(self.keys)}
+
+
+class RecomputeRunner:
+    """Sequences of a graph without a KV cache: each step re-runs every sequence in full."""
+
+    def __init__(self, model: DecodeModel) -> None:
+        self.model = model
+        self.sequences: dict[Hashable, list[int]] = {}
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    def prefill(self, key: Hashable, prompt: Sequence[int]) -> np.ndarray:
+        self.sequences[key] = [int(t) for t in prompt]
+        return self._run([key])[key]
+
+    def release(self, key: Hashable) -> None:
+        self.sequences.pop(key, None)
+
+    def decode(self, tokens: dict[Hashable, int]) -> dict[Hashable, np.ndarray]:
+        for key, token in tokens.items():
+            self.sequences[key].append(int(token))
+        return self._run(list(tokens))
+
+    def _run(self, keys: list[Hashable]) -> dict[Hashable, np.ndarray]:
+        groups: dict[int, list[Hashable]] = {}
+        for key in keys:  # without a mask input only sequences of one length can share a batch
+            groups.setdefault(0 if self.model.has_mask else len(self.sequences[key]), []).append(key)
+        out = {}
+        for group in groups.values():
+            ids, mask = left_pad([self.sequences[k] for k in group])
+            logits, _ = self.model.forward(ids, mask, None)
+            out.update({k: logits[row, -1] for row, k in enumerate(group)})
+        return out

@@ -1,0 +1,182 @@
+"""What `tools/serve.py MODEL` serves: the graph (or engine, or TP folder), its tokenizer and its limits.
+
+MODEL may be
+- an ONNX file (ONNX Runtime), a TensorRT engine file (*.engine / *.plan), or
+- a folder: a sharded TP folder (passes.shard's tp.json; ranks as threads, runtime.backends.TpThreadsBackend),
+  an engines folder from tools/build_engines.py (one *.engine), or an export folder holding model.onnx
+  (Optimum: model.onnx or decoder_model_merged.onnx; ONNX Runtime GenAI: model.onnx + genai_config.json;
+  or the folder's only .onnx file).
+
+The tokenizer is the folder's (tokenizer.json / tokenizer_config.json, through transformers), else
+SmolLM2's when the vocabulary is SmolLM2's (runtime.text.tokenizer_for). End-of-sequence ids come from
+generation_config.json, genai_config.json and the tokenizer; the context length from config.json
+(max_position_embeddings) or genai_config.json (context_length).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from passes.errors import UserError
+from runtime.backends import Backend, OrtBackend, TpThreadsBackend, TrtBackend
+from runtime.generate import DecodeModel
+
+BACKENDS = ("auto", "ort", "tensorrt", "tp")
+ENGINE_SUFFIXES = (".engine", ".plan")
+ONNX_NAMES = ("model.onnx", "decoder_model_merged.onnx", "decoder_model.onnx")
+DEFAULT_CONTEXT = 2048
+TP_MANIFEST = "tp.json"  # passes.shard.MANIFEST (not imported: passes.shard pulls in the sharding pass)
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    backend: str  # ort, tensorrt or tp
+    target: Path  # the ONNX file, the engine file, or the TP folder
+    folder: Path  # where tokenizer and config files are looked for
+
+
+@dataclass
+class ServedModel:
+    id: str
+    model: DecodeModel
+    tokenizer: Any
+    eos_ids: frozenset[int]
+    max_context: int
+    source: ModelSource
+    created: int
+
+    @property
+    def vocab(self) -> int | None:
+        return self.model.backend.vocab
+
+
+def resolve(target: str | Path, backend: str = "auto") -> ModelSource:
+    """Which file or folder to open with which backend (module docstring)."""
+    path = Path(target)
+    if backend not in BACKENDS:
+        raise UserError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
+    if not path.exists():
+        raise UserError(f"model {path} does not exist")
+    if path.is_file():
+        kind = "tensorrt" if path.suffix in ENGINE_SUFFIXES else "ort" if path.suffix == ".onnx" else None
+        if kind is None or backend not in ("auto", kind):
+            raise UserError(f"{path}: --backend {backend} needs {_wants(backend)}")
+        return ModelSource(kind, path, path.parent)
+    if (path / TP_MANIFEST).is_file() and backend in ("auto", "tp"):
+        return ModelSource("tp", path, _tp_folder(path))
+    if backend == "tp":
+        raise UserError(f"{path} has no {TP_MANIFEST}: --backend tp needs a folder from tools/shard_tp.py")
+    engines = sorted(p for p in path.iterdir() if p.suffix in ENGINE_SUFFIXES)
+    onnx_file = _onnx_in(path)
+    if backend == "tensorrt" or (backend == "auto" and engines and onnx_file is None):
+        if len(engines) != 1:
+            raise UserError(f"{path}: --backend tensorrt needs exactly one engine file there, found "
+                            f"{[e.name for e in engines] or 'none'} (serve rank engines with their TP folder)")
+        return ModelSource("tensorrt", engines[0], path)
+    if onnx_file is None:
+        raise UserError(f"{path} holds no model.onnx (or single .onnx file), engine or {TP_MANIFEST}")
+    return ModelSource("ort", onnx_file, path)
+
+
+def _wants(backend: str) -> str:
+    return {"ort": "an .onnx file or folder", "tensorrt": "an .engine/.plan file or engines folder",
+            "tp": "a sharded folder (tp.json)"}.get(backend, "an .onnx, .engine or .plan file, or a folder")
+
+
+def _onnx_in(folder: Path) -> Path | None:
+    for name in ONNX_NAMES:
+        if (folder / name).is_file():
+            return folder / name
+    files = sorted(folder.glob("*.onnx"))
+    if len(files) > 1:
+        raise UserError(f"{folder} holds several .onnx files ({', '.join(f.name for f in files)}): "
+                        "name the one to serve")
+    return files[0] if files else None
+
+
+def _tp_folder(folder: Path) -> Path:
+    """Tokenizer folder of a TP folder: itself when it has one, else the sharded source model's folder."""
+    if _has_tokenizer(folder):
+        return folder
+    source = json.loads((folder / TP_MANIFEST).read_text(encoding="utf-8")).get("source", "")
+    return Path(source).parent if source else folder
+
+
+def open_backend(source: ModelSource, device: str = "cpu", threads: int | None = None) -> Backend:
+    if source.backend == "tp":
+        return TpThreadsBackend(source.target, threads or 1)
+    if source.backend == "tensorrt":
+        return TrtBackend(source.target)
+    return OrtBackend(source.target, device, threads)
+
+
+def load(
+    target: str | Path,
+    backend: str = "auto",
+    *,
+    name: str | None = None,
+    device: str = "cpu",
+    threads: int | None = None,
+    max_context: int | None = None,
+) -> ServedModel:
+    source = resolve(target, backend)
+    model = DecodeModel(open_backend(source, device, threads))
+    tokenizer = load_tokenizer(source.folder, model.backend.vocab)
+    config = _read_json(source.folder / "config.json")
+    genai = _read_json(source.folder / "genai_config.json").get("model", {})
+    context = max_context or config.get("max_position_embeddings") or genai.get("context_length")
+    return ServedModel(
+        id=name or (Path(target).stem if Path(target).is_file() else Path(target).resolve().name),
+        model=model,
+        tokenizer=tokenizer,
+        eos_ids=eos_ids(source.folder, tokenizer, genai),
+        max_context=int(context or DEFAULT_CONTEXT),
+        source=source,
+        created=int(time.time()),
+    )
+
+
+def _has_tokenizer(folder: Path) -> bool:
+    return (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file()
+
+
+def load_tokenizer(folder: Path, vocab: int | None) -> Any:
+    if _has_tokenizer(folder):
+        from transformers import AutoTokenizer
+
+        try:
+            return AutoTokenizer.from_pretrained(str(folder))
+        except (OSError, ValueError) as exc:
+            raise UserError(f"cannot load the tokenizer in {folder}: {exc}") from None
+    from runtime.text import tokenizer_for
+
+    tokenizer = tokenizer_for(vocab) if vocab else None
+    if tokenizer is None:
+        raise UserError(f"no tokenizer.json in {folder}, and the vocabulary ({vocab}) is not SmolLM2's: "
+                        "put the model's tokenizer.json (and tokenizer_config.json) beside it")
+    return tokenizer
+
+
+def eos_ids(folder: Path, tokenizer: Any, genai: dict) -> frozenset[int]:
+    ids: set[int] = set()
+    for value in (_read_json(folder / "generation_config.json").get("eos_token_id"),
+                  genai.get("eos_token_id"), tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(v for v in value if isinstance(v, int))
+    return frozenset(ids)
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path} is not valid JSON: {exc}") from None
+    return data if isinstance(data, dict) else {}

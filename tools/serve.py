@@ -1,0 +1,50 @@
+"""Serve a decode graph, TensorRT engine or TP folder over the OpenAI HTTP API (continuous batching).
+
+    python tools/serve.py MODEL [--host 127.0.0.1] [--port 8000] [--backend auto|ort|tensorrt|tp] [--max-batch 8]
+
+MODEL: an ONNX file, a folder with model.onnx + tokenizer.json (+ config.json, generation_config.json)
+as Optimum, ONNX Runtime GenAI or tools/export_model.py leave it, an engines folder from
+tools/build_engines.py, or a sharded folder from tools/shard_tp.py. Routes: /v1/models,
+/v1/completions, /v1/chat/completions, /health, /metrics. See docs/serving.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from passes.errors import UserError, run_cli
+from runtime.serve.loading import BACKENDS
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("model", type=Path, help="ONNX file, engine file, or model / engines / TP folder")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--backend", choices=BACKENDS, default="auto", help="default: from what MODEL is")
+    p.add_argument("--max-batch", type=int, default=8, help="sequences decoded together (default 8)")
+    p.add_argument("--max-queue", type=int, default=64, help="waiting requests before 503 (default 64)")
+    p.add_argument("--model-name", default=None, help="the model id clients send (default: MODEL's name)")
+    p.add_argument("--max-context", type=int, default=None, help="prompt + generated tokens (default: config)")
+    p.add_argument("--device", default="cpu", help="ONNX Runtime device: cpu, cuda or auto")
+    p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    for flag in ("max_batch", "max_queue", "port"):
+        if getattr(args, flag) < 1:
+            raise UserError(f"--{flag.replace('_', '-')} must be at least 1")
+    from runtime.serve.server import serve
+
+    serve(args.model, host=args.host, port=args.port, backend=args.backend, max_batch=args.max_batch,
+          max_queue=args.max_queue, name=args.model_name, max_context=args.max_context, device=args.device,
+          threads=args.threads, log_level=args.log_level)
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)
