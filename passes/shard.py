@@ -38,7 +38,8 @@ import onnx_ir as ir
 
 from passes.errors import UserError
 from passes.model_io import EXTERNAL_DATA_THRESHOLD, has_external_data, load_model, save_model, weight_bytes
-from passes.shard_dims import Dim, Info, RankWorld, ShapeRewrite, World, dims_to_ir
+from passes.shapes import Dim, Info, World, dims_to_ir
+from passes.shard_dims import RankWorld, ShapeRewrite
 from passes.shard_graph import Branch, TpStructure, WeightRef, constant_tensor, find_structure
 
 COLLECTIVE_OP = "DistCollective"

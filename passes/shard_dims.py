@@ -1,534 +1,41 @@
-"""A small symbolic shape interpreter for the tensor-parallel sharding pass (passes.shard).
+"""The rank world of the tensor-parallel sharding pass: the graph as one rank sees it.
 
-Every tensor gets a shape whose dims are `Dim` monomials (an integer times named symbols such as
-"batch" and "seq"), and small integer tensors (shape vectors) also get their values, so that the shape
-arguments of Reshape/Expand can be followed from `Shape(input_ids)` through Concat/Slice/Gather.
-
-The interpreter runs twice over a graph: once as the single-device model (`World`), and once as one
-rank sees it (`RankWorld`), where the projection weights have their per-rank shapes. The rank world
-re-evaluates only nodes downstream of a changed tensor, checks that no reduction, softmax, slice or
-concat runs over a sharded axis, and works out which Reshape/Expand shape arguments must change (the
-constants that encode head counts), recording them as `ShapeRewrite`s for passes.shard to apply.
+`RankWorld` re-runs the symbolic shape interpreter (passes.shapes) with the projection weights at their
+per-rank shapes, re-evaluating only nodes downstream of a changed tensor. It checks that no reduction,
+softmax, slice or concat runs over a sharded axis, and works out which Reshape/Expand shape arguments
+must change (the constants that encode head counts), recording them as `ShapeRewrite`s for
+passes.shard to apply.
 """
 
 from __future__ import annotations
 
 import math
-from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 import onnx_ir as ir
 
 from passes.errors import UserError
-
-INT_MAX = 2**62  # Slice ends above this mean "to the end"
-_MAX_VALUE_ELEMENTS = 64  # only small integer tensors carry values
-
-
-@dataclass(frozen=True)
-class Dim:
-    """coef * product of symbols; a plain integer when `syms` is empty."""
-
-    coef: int
-    syms: tuple[str, ...] = ()
-
-    @staticmethod
-    def of(x: int | str) -> Dim:
-        return Dim(1, (x,)) if isinstance(x, str) else Dim(int(x))
-
-    @property
-    def is_int(self) -> bool:
-        return not self.syms
-
-    def __int__(self) -> int:
-        if self.syms:
-            raise ValueError(f"{self} is symbolic")
-        return self.coef
-
-    def __mul__(self, other: Dim) -> Dim:
-        return Dim(self.coef * other.coef, tuple(sorted(self.syms + other.syms)))
-
-    def divides(self, other: Dim) -> bool:
-        if self.coef == 0 or other.coef % self.coef:
-            return False
-        return not (Counter(self.syms) - Counter(other.syms))
-
-    def __floordiv__(self, other: Dim) -> Dim:
-        if not other.divides(self):
-            raise ValueError(f"{other} does not divide {self}")
-        rest = Counter(self.syms) - Counter(other.syms)
-        return Dim(self.coef // other.coef, tuple(sorted(rest.elements())))
-
-    def __str__(self) -> str:
-        if not self.syms:
-            return str(self.coef)
-        body = "*".join(self.syms)
-        return body if self.coef == 1 else f"{self.coef}*{body}"
-
-
-ONE = Dim(1)
-MaybeDim = Dim | None
-Dims = tuple[MaybeDim, ...]
-
-
-@dataclass(frozen=True)
-class Info:
-    """What the interpreter knows of a tensor: its shape, and its elements when it is a small int vector."""
-
-    shape: Dims | None
-    value: Dims | None = None
-
-
-UNKNOWN = Info(None)
-
-
-def product(dims: Iterable[MaybeDim]) -> MaybeDim:
-    out = ONE
-    for d in dims:
-        if d is None:
-            return None
-        out = out * d
-    return out
-
-
-def dims_from_ir(shape: ir.Shape | None) -> Dims | None:
-    if shape is None:
-        return None
-    out: list[MaybeDim] = []
-    for d in shape:
-        if isinstance(d, int):
-            out.append(Dim(d))
-        elif isinstance(d, ir.SymbolicDim) and d.value is not None and _plain_symbol(d.value):
-            out.append(Dim.of(d.value))
-        else:
-            out.append(None)
-    return tuple(out)
-
-
-def _plain_symbol(name: str) -> bool:
-    return name.replace("_", "").isalnum()
-
-
-def dims_to_ir(dims: Dims | None) -> ir.Shape | None:
-    if dims is None:
-        return None
-    out: list[int | ir.SymbolicDim] = []
-    for d in dims:
-        if d is not None and d.is_int:
-            out.append(d.coef)
-        elif d is not None and d.coef == 1 and len(d.syms) == 1:
-            out.append(ir.SymbolicDim(d.syms[0]))
-        else:
-            out.append(ir.SymbolicDim(None))
-    return ir.Shape(out)
-
-
-def info_from_tensor(tensor: ir.TensorProtocol) -> Info:
-    shape = tuple(Dim(int(d)) for d in tensor.shape)
-    value = None
-    small = math.prod(tensor.shape) <= _MAX_VALUE_ELEMENTS
-    if small and tensor.dtype in (ir.DataType.INT64, ir.DataType.INT32):
-        value = tuple(Dim(int(x)) for x in np.asarray(tensor.numpy()).reshape(-1))
-    return Info(shape, value)
-
-
-def broadcast(a: Dims | None, b: Dims | None) -> Dims | None:
-    """Numpy broadcasting of two shapes; raises ValueError on a conflict."""
-    if a is None or b is None:
-        return None
-    n = max(len(a), len(b))
-    a = (ONE,) * (n - len(a)) + tuple(a)
-    b = (ONE,) * (n - len(b)) + tuple(b)
-    out: list[MaybeDim] = []
-    for x, y in zip(a, b, strict=True):
-        if x == y:
-            out.append(x)
-        elif x == ONE:
-            out.append(y)
-        elif y == ONE:
-            out.append(x)
-        elif x is None or y is None:
-            out.append(x if y is None else y)
-        else:
-            raise ValueError(f"cannot broadcast {_fmt(a)} with {_fmt(b)}")
-    return tuple(out)
-
-
-def _fmt(dims: Dims | None) -> str:
-    return "?" if dims is None else "[" + ", ".join("?" if d is None else str(d) for d in dims) + "]"
-
-
-def align(full_in: Dims, full_out: Dims) -> list[tuple[list[int], list[int]]] | None:
-    """The finest grouping of input axes and output axes with equal products (how a Reshape maps them)."""
-    groups: list[tuple[list[int], list[int]]] = []
-    i = j = 0
-    while i < len(full_in) and j < len(full_out):
-        gi, gj = [i], [j]
-        pa, pb = full_in[i], full_out[j]
-        i, j = i + 1, j + 1
-        while pa != pb:
-            if pa is None or pb is None:
-                return None
-            if pa.divides(pb) and i < len(full_in):
-                pa = pa * full_in[i] if full_in[i] is not None else None
-                gi.append(i)
-                i += 1
-            elif pb.divides(pa) and j < len(full_out):
-                pb = pb * full_out[j] if full_out[j] is not None else None
-                gj.append(j)
-                j += 1
-            else:
-                return None
-        groups.append((gi, gj))
-    rest_in, rest_out = list(range(i, len(full_in))), list(range(j, len(full_out)))
-    if any(full_in[k] != ONE for k in rest_in) or any(full_out[k] != ONE for k in rest_out):
-        return None
-    if groups:
-        groups[-1][0].extend(rest_in)
-        groups[-1][1].extend(rest_out)
-    return groups
-
-
-def reshape_dims(x: Dims | None, target: Dims | None, allowzero: bool) -> Dims | None:
-    if target is None:
-        return None
-    out: list[MaybeDim] = []
-    for i, t in enumerate(target):
-        if t is not None and t == Dim(0) and not allowzero:
-            out.append(x[i] if x is not None and i < len(x) else None)
-        else:
-            out.append(t)
-    if Dim(-1) in out:
-        k = out.index(Dim(-1))
-        known = product(d for n, d in enumerate(out) if n != k)
-        total = product(x) if x is not None else None
-        out[k] = total // known if total is not None and known is not None and known.divides(total) else None
-    return tuple(out)
-
-
-def _axes_from(node: ir.Node, infos: Sequence[Info], input_index: int) -> list[int] | None:
-    if len(node.inputs) > input_index and node.inputs[input_index] is not None:
-        value = infos[input_index].value
-        if value is None or any(v is None or not v.is_int for v in value):
-            return None
-        return [int(v) for v in value]
-    attr = node.attributes.get("axes")
-    return None if attr is None else [int(a) for a in attr.value]
-
-
-def _attr(node: ir.Node, name: str, default):
-    a = node.attributes.get(name)
-    return default if a is None else a.value
-
-
-def _int_values(info: Info) -> list[int] | None:
-    if info.value is None or any(v is None or not v.is_int for v in info.value):
-        return None
-    return [int(v) for v in info.value]
-
-
-def _slice_len(dim: MaybeDim, start: int, end: int, step: int) -> MaybeDim:
-    if dim is not None and dim.is_int:
-        return Dim(len(range(*slice(start, end, step).indices(int(dim)))))
-    if start == 0 and end >= INT_MAX and step == 1:
-        return dim
-    return None
-
-
-ELEMENTWISE = {
-    "Add",
-    "Sub",
-    "Mul",
-    "Div",
-    "Pow",
-    "Where",
-    "Equal",
-    "Less",
-    "LessOrEqual",
-    "Greater",
-    "GreaterOrEqual",
-    "And",
-    "Or",
-    "Xor",
-    "Max",
-    "Min",
-    "Sum",
-    "Mod",
-    "BitwiseAnd",
-    "BitwiseOr",
-}
-SAME_SHAPE = {
-    "Neg",
-    "Sqrt",
-    "Reciprocal",
-    "Sigmoid",
-    "Tanh",
-    "Relu",
-    "Erf",
-    "Exp",
-    "Log",
-    "Abs",
-    "Not",
-    "IsNaN",
-    "IsInf",
-    "Cast",
-    "CastLike",
-    "Identity",
-    "Softmax",
-    "LogSoftmax",
-    "Gelu",
-    "Silu",
-    "Swish",
-    "Clip",
-    "Floor",
-    "Ceil",
-    "Round",
-    "Sin",
-    "Cos",
-    "QuantizeLinear",
-    "DequantizeLinear",
-    "Trilu",
-    "CumSum",
-    "Dropout",
-    "Elu",
-    "LeakyRelu",
-    "HardSigmoid",
-    "Softplus",
-    "LayerNormalization",
-    "RMSNormalization",
-    "SimplifiedLayerNormalization",
-}
-REDUCE = {"ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL2", "ReduceSumSquare"}
-
-
-def _elementwise_value(op: str, a: Dims | None, b: Dims | None) -> Dims | None:
-    if a is None or b is None or op not in ("Add", "Sub", "Mul", "Div"):
-        return None
-    if len(a) != len(b):
-        if len(a) == 1:
-            a = a * len(b)
-        elif len(b) == 1:
-            b = b * len(a)
-        else:
-            return None
-    out: list[MaybeDim] = []
-    for x, y in zip(a, b, strict=True):
-        if x is None or y is None:
-            out.append(None)
-        elif op == "Mul":
-            out.append(x * y)
-        elif op == "Div":
-            out.append(x // y if y.coef != 0 and y.divides(x) else None)
-        elif x.is_int and y.is_int:
-            out.append(Dim(x.coef + y.coef if op == "Add" else x.coef - y.coef))
-        else:
-            out.append(None)
-    return tuple(out)
-
-
-def infer_node(node: ir.Node, ins: Sequence[Info]) -> list[Info] | None:
-    """Output infos of `node` from its input infos, or None for an op the interpreter does not know."""
-    op = node.op_type if node.domain in ("", "ai.onnx") else None
-    x = ins[0] if ins else UNKNOWN
-    if op == "Shape":
-        if x.shape is None:
-            return [UNKNOWN]
-        n = len(x.shape)
-        start, end = _attr(node, "start", 0), _attr(node, "end", n)
-        picked = x.shape[slice(start, end)]
-        return [Info((Dim(len(picked)),), tuple(picked))]
-    if op == "Size":
-        return [Info((), (product(x.shape) if x.shape is not None else None,))]
-    if op == "Constant":
-        attr = node.attributes.get("value")
-        if attr is not None and attr.type == ir.AttributeType.TENSOR:
-            return [info_from_tensor(attr.value)]
-        return None
-    if op in SAME_SHAPE:
-        value = x.value if op in ("Cast", "Identity", "CastLike") else None
-        return [Info(x.shape, value)] + [UNKNOWN] * (len(node.outputs) - 1)
-    if op in ELEMENTWISE:
-        shapes = [i.shape for i in ins]
-        out = shapes[0]
-        for s in shapes[1:]:
-            out = broadcast(out, s)
-        value = _elementwise_value(op, ins[0].value, ins[1].value) if len(ins) == 2 else None
-        return [Info(out, value)]
-    if op == "Squeeze":
-        axes = _axes_from(node, ins, 1)
-        if x.shape is None:
-            return [Info(None, x.value)]
-        n = len(x.shape)
-        if axes is None:
-            if len(node.inputs) > 1 and node.inputs[1] is not None:
-                return [Info(None, x.value)]
-            shape = tuple(d for d in x.shape if d != ONE)
-        else:
-            axes = [a % n for a in axes]
-            shape = tuple(d for k, d in enumerate(x.shape) if k not in axes)
-        return [Info(shape, x.value)]
-    if op == "Unsqueeze":
-        axes = _axes_from(node, ins, 1)
-        if x.shape is None or axes is None:
-            return [Info(None, x.value)]
-        n = len(x.shape) + len(axes)
-        axes = sorted(a % n for a in axes)
-        dims = list(x.shape)
-        for a in axes:
-            dims.insert(a, ONE)
-        return [Info(tuple(dims), x.value)]
-    if op == "Concat":
-        shapes = [i.shape for i in ins]
-        if any(s is None for s in shapes):
-            return [Info(None)]
-        axis = _attr(node, "axis", 0) % len(shapes[0])
-        dims = list(shapes[0])
-        sizes = [s[axis] for s in shapes]
-        if all(d is not None and d.is_int for d in sizes):
-            dims[axis] = Dim(sum(int(d) for d in sizes))
-        else:
-            dims[axis] = None
-        value = None
-        if all(i.value is not None for i in ins) and len(shapes[0]) <= 1:
-            value = tuple(v for i in ins for v in i.value)  # type: ignore[union-attr]
-        return [Info(tuple(dims), value)]
-    if op == "Gather":
-        idx = ins[1]
-        axis = _attr(node, "axis", 0)
-        shape = None
-        if x.shape is not None and idx.shape is not None:
-            axis %= len(x.shape)
-            shape = tuple(x.shape[:axis]) + tuple(idx.shape) + tuple(x.shape[axis + 1 :])
-        value = None
-        indices = _int_values(idx)
-        if x.value is not None and indices is not None and x.shape is not None and len(x.shape) == 1:
-            n = len(x.value)
-            value = tuple(x.value[i % n] for i in indices)
-        return [Info(shape, value)]
-    if op == "Slice":
-        return [_slice(x, ins)]
-    if op == "Transpose":
-        if x.shape is None:
-            return [UNKNOWN]
-        perm = _attr(node, "perm", None) or list(range(len(x.shape)))[::-1]
-        return [Info(tuple(x.shape[p] for p in perm))]
-    if op == "Reshape":
-        return [Info(reshape_dims(x.shape, ins[1].value, bool(_attr(node, "allowzero", 0))))]
-    if op == "Expand":
-        target = ins[1].value
-        if target is None or x.shape is None:
-            return [UNKNOWN]
-        return [Info(broadcast(x.shape, target))]
-    if op in ("MatMul", "Gemm"):
-        return [Info(_matmul(node, ins[0].shape, ins[1].shape))]
-    if op in REDUCE:
-        axes = _axes_from(node, ins, 1)
-        if x.shape is None or axes is None:
-            return [UNKNOWN]
-        keep = bool(_attr(node, "keepdims", 1))
-        axes = [a % len(x.shape) for a in axes] or list(range(len(x.shape)))
-        shape = tuple(ONE if k in axes else d for k, d in enumerate(x.shape) if keep or k not in axes)
-        return [Info(shape)]
-    if op == "ConstantOfShape":
-        return [Info(x.value)]
-    if op == "Range":
-        return [Info((None,))]
-    if op == "Split":
-        return _split(node, x, ins)
-    return None
-
-
-def _slice(x: Info, ins: Sequence[Info]) -> Info:
-    starts, ends = _int_values(ins[1]), _int_values(ins[2])
-    axes = _int_values(ins[3]) if len(ins) > 3 and ins[3].shape is not None else None
-    steps = _int_values(ins[4]) if len(ins) > 4 and ins[4].shape is not None else None
-    if x.shape is None or starts is None or ends is None:
-        return UNKNOWN
-    n = len(x.shape)
-    axes = axes if axes is not None else list(range(len(starts)))
-    steps = steps if steps is not None else [1] * len(starts)
-    dims = list(x.shape)
-    for a, s, e, st in zip(axes, starts, ends, steps, strict=True):
-        dims[a % n] = _slice_len(dims[a % n], s, e, st)
-    value = None
-    if x.value is not None and n == 1 and len(starts) == 1:
-        value = tuple(x.value[slice(starts[0], None if ends[0] >= INT_MAX else ends[0], steps[0])])
-    return Info(tuple(dims), value)
-
-
-def _split(node: ir.Node, x: Info, ins: Sequence[Info]) -> list[Info]:
-    count = len(node.outputs)
-    if x.shape is None:
-        return [UNKNOWN] * count
-    axis = _attr(node, "axis", 0) % len(x.shape)
-    sizes = _int_values(ins[1]) if len(ins) > 1 and node.inputs[1] is not None else None
-    if sizes is None:
-        dim = x.shape[axis]
-        if dim is None or not dim.is_int or int(dim) % count:
-            return [UNKNOWN] * count
-        sizes = [int(dim) // count] * count
-    return [Info(x.shape[:axis] + (Dim(s),) + x.shape[axis + 1 :]) for s in sizes]
-
-
-def _matmul(node: ir.Node, a: Dims | None, b: Dims | None) -> Dims | None:
-    if a is None or b is None:
-        return None
-    if node.op_type == "Gemm":
-        m = a[1] if _attr(node, "transA", 0) else a[0]
-        n = b[0] if _attr(node, "transB", 0) else b[1]
-        return (m, n)
-    if len(a) == 1 or len(b) == 1:
-        return None
-    batch = broadcast(a[:-2], b[:-2])
-    return None if batch is None else tuple(batch) + (a[-2], b[-1])
-
-
-def contraction_dims(node: ir.Node, a: Dims | None, b: Dims | None) -> tuple[MaybeDim, MaybeDim]:
-    if a is None or b is None:
-        return None, None
-    if node.op_type == "Gemm":
-        return (a[0] if _attr(node, "transA", 0) else a[1]), (b[1] if _attr(node, "transB", 0) else b[0])
-    return a[-1], (b[0] if len(b) == 1 else b[-2])
-
-
-class World:
-    """Shapes and small values of every tensor of a graph, as the single-device model computes them."""
-
-    def __init__(self, graph: ir.Graph) -> None:
-        self.graph = graph
-        self.infos: dict[ir.Value, Info] = {}
-        for value in graph.inputs:
-            self.infos[value] = Info(dims_from_ir(value.shape))
-        for value in graph.initializers.values():
-            if value.const_value is not None:
-                self.infos[value] = info_from_tensor(value.const_value)
-
-    def get(self, value: ir.Value | None) -> Info:
-        if value is None:
-            return UNKNOWN
-        info = self.infos.get(value)
-        return info if info is not None else Info(dims_from_ir(value.shape))
-
-    def run(self) -> World:
-        for node in self.graph:
-            ins = [self.get(v) for v in node.inputs]
-            outs = infer_node(node, ins)
-            for k, out in enumerate(node.outputs):
-                computed = outs[k] if outs is not None and k < len(outs) else UNKNOWN
-                self.infos[out] = _prefer(computed, dims_from_ir(out.shape))
-        return self
-
-
-def _prefer(computed: Info, annotated: Dims | None) -> Info:
-    """The computed shape where it is known, else the exporter's annotation (dim by dim)."""
-    shape = computed.shape
-    if shape is None:
-        shape = annotated
-    elif annotated is not None and len(annotated) == len(shape):
-        shape = tuple(c if c is not None else a for c, a in zip(shape, annotated, strict=True))
-    return Info(shape, computed.value)
+from passes.shapes import (
+    ONE,
+    REDUCE,
+    UNKNOWN,
+    Dim,
+    Dims,
+    Info,
+    MaybeDim,
+    World,
+    align,
+    axes_from,
+    broadcast,
+    contraction_dims,
+    fmt_dims,
+    infer_node,
+    int_values,
+    node_attr,
+    product,
+    reshape_dims,
+)
 
 
 @dataclass
@@ -639,7 +146,7 @@ class RankWorld:
         full = self.full.get(node.outputs[0]).shape
         if out.shape is None or full is None or len(full) != len(out.shape):
             return out
-        axis = _attr(node, "axis", 0) % len(full)
+        axis = node_attr(node, "axis", 0) % len(full)
         shape = tuple(full[k] if k == axis and full[k] is not None else d for k, d in enumerate(out.shape))
         return Info(shape, out.value)
 
@@ -650,7 +157,7 @@ class RankWorld:
         ref = self.get(computed[0]).shape if computed else None
         if ref is None:
             raise self._fail(node, "concatenates a cache input with a tensor whose rank shape is unknown")
-        axis = _attr(node, "axis", 0) % len(ref)
+        axis = node_attr(node, "axis", 0) % len(ref)
         for value in node.inputs:
             if value not in self.caches:
                 continue
@@ -668,7 +175,7 @@ class RankWorld:
         x = node.inputs[0] if node.inputs else None
         rank = len(ins[0].shape) if ins and ins[0].shape is not None else None
         if op == "Concat" and rank is not None:
-            axis = _attr(node, "axis", 0) % rank
+            axis = node_attr(node, "axis", 0) % rank
             if any(axis in self._changed_axes(v) or -1 in self._changed_axes(v) for v in node.inputs):
                 raise self._fail(node, "concatenates along a sharded axis")
             return
@@ -676,15 +183,15 @@ class RankWorld:
         if not changed or rank is None:
             return
         if op in REDUCE:
-            axes = _axes_from(node, ins, 1)
+            axes = axes_from(node, ins, 1)
             hit = axes is None or any(a % rank in changed for a in axes)
         elif op in ("Softmax", "LogSoftmax", "CumSum"):
-            hit = -1 in changed or _attr(node, "axis", -1) % rank in changed
+            hit = -1 in changed or node_attr(node, "axis", -1) % rank in changed
         elif op in ("Split", "Gather"):
-            hit = -1 in changed or _attr(node, "axis", 0) % rank in changed
+            hit = -1 in changed or node_attr(node, "axis", 0) % rank in changed
         elif op == "Slice":
-            axes = _int_values(ins[3]) if len(ins) > 3 and ins[3].shape is not None else None
-            axes = axes if axes is not None else list(range(len(_int_values(ins[1]) or [])))
+            axes = int_values(ins[3]) if len(ins) > 3 and ins[3].shape is not None else None
+            axes = axes if axes is not None else list(range(len(int_values(ins[1]) or [])))
             hit = -1 in changed or any(a % rank in changed for a in axes)
         elif op in ("LayerNormalization", "RMSNormalization", "SimplifiedLayerNormalization"):
             hit = True
@@ -694,7 +201,7 @@ class RankWorld:
             raise self._fail(node, "works along a sharded axis")
 
     def _reshape(self, node: ir.Node, ins: Sequence[Info]) -> Info:
-        allowzero = bool(_attr(node, "allowzero", 0))
+        allowzero = bool(node_attr(node, "allowzero", 0))
         data = node.inputs[0]
         target = ins[1].value
         naive = reshape_dims(ins[0].shape, target, allowzero)
@@ -703,7 +210,7 @@ class RankWorld:
             return Info(naive)
         intended = _intended_reshape(full_in, full_out, ins[0].shape)
         if intended is None:
-            shapes = f"{_fmt(full_in)} -> {_fmt(full_out)}"
+            shapes = f"{fmt_dims(full_in)} -> {fmt_dims(full_out)}"
             raise self._fail(node, f"reshapes {shapes} in a way the pass cannot map")
         if naive == intended:
             return Info(naive)
@@ -719,7 +226,7 @@ class RankWorld:
                 values[k] = int(want)
         fixed = tuple(Dim(v) if v is not None else t for v, t in zip(values, target, strict=True))
         if reshape_dims(ins[0].shape, fixed, allowzero) != intended:
-            raise self._fail(node, f"cannot be rewritten to produce {_fmt(intended)}")
+            raise self._fail(node, f"cannot be rewritten to produce {fmt_dims(intended)}")
         self.rewrites.append(ShapeRewrite(node, 1, values))
         return Info(intended)
 

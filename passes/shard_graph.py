@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import onnx_ir as ir
 
 from passes.errors import UserError
-from passes.shard_dims import World, align, product
+from passes.shapes import World, align, product
 
 WEIGHT_CHAIN_OPS = ("Transpose", "Cast", "Identity", "DequantizeLinear")
 LINEAR_OPS = ("MatMul", "Gemm")
