@@ -34,7 +34,11 @@ def save_tokenizer(folder: Path, vocab: int) -> None:
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     core.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", unk_token="<unk>",
+        tokenizer_object=core,
+        pad_token="<pad>",
+        bos_token="<bos>",
+        eos_token="<eos>",
+        unk_token="<unk>",
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(folder)
@@ -49,5 +53,7 @@ def tiny_folder(base: Path, name: str = "decode") -> Path:
     shutil.copy(decode_fixtures.decode_models(base, name), folder / "model.onnx")
     save_tokenizer(folder, decode_fixtures.tiny_spec().vocab)
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": EOS}))
-    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": CONTEXT}))
+    (folder / "config.json").write_text(
+        json.dumps({"model_type": "llama", "max_position_embeddings": CONTEXT})
+    )
     return folder

@@ -1,6 +1,6 @@
 """Serve a decode graph, TensorRT engine or TP folder over the OpenAI HTTP API (continuous batching).
 
-    python tools/serve.py MODEL [--host 127.0.0.1] [--port 8000] [--backend auto|ort|tensorrt|tp] [--max-batch 8]
+    python tools/serve.py MODEL [--host 127.0.0.1] [--port 8000] [--backend ort|tensorrt|tp] [--max-batch N]
 
 MODEL: an ONNX file, a folder with model.onnx + tokenizer.json (+ config.json, generation_config.json)
 as Optimum, ONNX Runtime GenAI or tools/export_model.py leave it, an engines folder from
@@ -26,7 +26,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-batch", type=int, default=8, help="sequences decoded together (default 8)")
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests before 503 (default 64)")
     p.add_argument("--model-name", default=None, help="the model id clients send (default: MODEL's name)")
-    p.add_argument("--max-context", type=int, default=None, help="prompt + generated tokens (default: config)")
+    p.add_argument(
+        "--max-context", type=int, default=None, help="prompt + generated tokens (default: config)"
+    )
     p.add_argument("--device", default="cpu", help="ONNX Runtime device: cpu, cuda or auto")
     p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
@@ -40,9 +42,19 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError(f"--{flag.replace('_', '-')} must be at least 1")
     from runtime.serve.server import serve
 
-    serve(args.model, host=args.host, port=args.port, backend=args.backend, max_batch=args.max_batch,
-          max_queue=args.max_queue, name=args.model_name, max_context=args.max_context, device=args.device,
-          threads=args.threads, log_level=args.log_level)
+    serve(
+        args.model,
+        host=args.host,
+        port=args.port,
+        backend=args.backend,
+        max_batch=args.max_batch,
+        max_queue=args.max_queue,
+        name=args.model_name,
+        max_context=args.max_context,
+        device=args.device,
+        threads=args.threads,
+        log_level=args.log_level,
+    )
     return 0
 
 

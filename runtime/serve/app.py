@@ -94,10 +94,14 @@ def _error_handlers(app: FastAPI, metrics: Metrics) -> None:
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
         if first.get("type") == "json_invalid":
-            return answer(request, ApiError(400, f"malformed JSON body: {first.get('msg', '')}", code="json_invalid"))
+            return answer(
+                request, ApiError(400, f"malformed JSON body: {first.get('msg', '')}", code="json_invalid")
+            )
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
-        return answer(request, ApiError(400, f"{where}: {message}" if where else message, param=where or None))
+        return answer(
+            request, ApiError(400, f"{where}: {message}" if where else message, param=where or None)
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -120,13 +124,23 @@ class _Api:
 
     def model_card(self) -> dict:
         s = self.served
-        return {"id": s.id, "object": "model", "created": s.created, "owned_by": "ffn-fusion",
-                "max_model_len": s.max_context, "backend": s.source.backend}
+        return {
+            "id": s.id,
+            "object": "model",
+            "created": s.created,
+            "owned_by": "ffn-fusion",
+            "max_model_len": s.max_context,
+            "backend": s.source.backend,
+        }
 
     def check_model(self, name: str) -> None:
         if name != self.served.id:
-            raise ApiError(404, f"the model {name!r} does not exist; this server serves {self.served.id!r}",
-                           param="model", code="model_not_found")
+            raise ApiError(
+                404,
+                f"the model {name!r} does not exist; this server serves {self.served.id!r}",
+                param="model",
+                code="model_not_found",
+            )
 
     # ------------------------------------------------------------------------------------------ prompts
 
@@ -144,7 +158,9 @@ class _Api:
         try:
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         except Exception as exc:  # noqa: BLE001 - a template that rejects the messages is the client's error
-            raise ApiError(400, f"the chat template rejects these messages: {exc}", param="messages") from None
+            raise ApiError(
+                400, f"the chat template rejects these messages: {exc}", param="messages"
+            ) from None
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)
@@ -162,8 +178,12 @@ class _Api:
         if wanted is None:
             wanted = 16 if isinstance(body, CompletionRequest) else context - len(prompt)
         if len(prompt) + wanted > context:
-            raise ApiError(400, f"this model's maximum context length is {context} tokens; the prompt has "
-                           f"{len(prompt)} and max_tokens is {wanted}", param="max_tokens")
+            raise ApiError(
+                400,
+                f"this model's maximum context length is {context} tokens; the prompt has "
+                f"{len(prompt)} and max_tokens is {wanted}",
+                param="max_tokens",
+            )
         return wanted
 
     async def respond(self, kind: str, body: _Generation, prompt: list[int], request: Request) -> Response:
@@ -172,7 +192,9 @@ class _Api:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Event] = asyncio.Queue()
         job = GenerationRequest(
-            prompt, max_tokens, Sampler(temperature, 1.0 if body.top_p is None else body.top_p, body.seed),
+            prompt,
+            max_tokens,
+            Sampler(temperature, 1.0 if body.top_p is None else body.top_p, body.seed),
             emit=lambda event: loop.call_soon_threadsafe(queue.put_nowait, event),
             eos_ids=frozenset() if body.ignore_eos else self.served.eos_ids,
         )
@@ -263,17 +285,26 @@ class _Reply:
         self.prompt_tokens, self.completion_tokens = prompt_tokens, 0
 
     def usage(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
 
     def _head(self, chunk: bool) -> dict[str, Any]:
-        kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if chunk and self.chat else "")
+        kind = ("chat.completion" if self.chat else "text_completion") + (
+            ".chunk" if chunk and self.chat else ""
+        )
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
     def whole(self, text: str, reason: str) -> dict:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
-                      "logprobs": None}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": reason,
+                "logprobs": None,
+            }
         else:
             choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
         return {**self._head(False), "choices": [choice], "usage": self.usage()}
@@ -282,13 +313,28 @@ class _Reply:
         """A chat stream starts with the assistant role (as OpenAI's does)."""
         if not self.chat:
             return []
-        return [{**self._head(True), "choices": [
-            {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}]}]
+        return [
+            {
+                **self._head(True),
+                "choices": [
+                    {
+                        "index": 0,
+                        "delta": {"role": "assistant", "content": ""},
+                        "finish_reason": None,
+                        "logprobs": None,
+                    }
+                ],
+            }
+        ]
 
     def chunk(self, piece: str, reason: str | None) -> dict:
         if self.chat:
-            choice = {"index": 0, "delta": {"content": piece} if piece else {}, "finish_reason": reason,
-                      "logprobs": None}
+            choice = {
+                "index": 0,
+                "delta": {"content": piece} if piece else {},
+                "finish_reason": reason,
+                "logprobs": None,
+            }
         else:
             choice = {"index": 0, "text": piece, "finish_reason": reason, "logprobs": None}
         return {**self._head(True), "choices": [choice]}

@@ -74,8 +74,10 @@ def resolve(target: str | Path, backend: str = "auto") -> ModelSource:
     onnx_file = _onnx_in(path)
     if backend == "tensorrt" or (backend == "auto" and engines and onnx_file is None):
         if len(engines) != 1:
-            raise UserError(f"{path}: --backend tensorrt needs exactly one engine file there, found "
-                            f"{[e.name for e in engines] or 'none'} (serve rank engines with their TP folder)")
+            raise UserError(
+                f"{path}: --backend tensorrt needs exactly one engine file there, found "
+                f"{[e.name for e in engines] or 'none'} (serve rank engines with their TP folder)"
+            )
         return ModelSource("tensorrt", engines[0], path)
     if onnx_file is None:
         raise UserError(f"{path} holds no model.onnx (or single .onnx file), engine or {TP_MANIFEST}")
@@ -83,8 +85,11 @@ def resolve(target: str | Path, backend: str = "auto") -> ModelSource:
 
 
 def _wants(backend: str) -> str:
-    return {"ort": "an .onnx file or folder", "tensorrt": "an .engine/.plan file or engines folder",
-            "tp": "a sharded folder (tp.json)"}.get(backend, "an .onnx, .engine or .plan file, or a folder")
+    return {
+        "ort": "an .onnx file or folder",
+        "tensorrt": "an .engine/.plan file or engines folder",
+        "tp": "a sharded folder (tp.json)",
+    }.get(backend, "an .onnx, .engine or .plan file, or a folder")
 
 
 def _onnx_in(folder: Path) -> Path | None:
@@ -93,8 +98,9 @@ def _onnx_in(folder: Path) -> Path | None:
             return folder / name
     files = sorted(folder.glob("*.onnx"))
     if len(files) > 1:
-        raise UserError(f"{folder} holds several .onnx files ({', '.join(f.name for f in files)}): "
-                        "name the one to serve")
+        raise UserError(
+            f"{folder} holds several .onnx files ({', '.join(f.name for f in files)}): name the one to serve"
+        )
     return files[0] if files else None
 
 
@@ -156,15 +162,20 @@ def load_tokenizer(folder: Path, vocab: int | None) -> Any:
 
     tokenizer = tokenizer_for(vocab) if vocab else None
     if tokenizer is None:
-        raise UserError(f"no tokenizer.json in {folder}, and the vocabulary ({vocab}) is not SmolLM2's: "
-                        "put the model's tokenizer.json (and tokenizer_config.json) beside it")
+        raise UserError(
+            f"no tokenizer.json in {folder}, and the vocabulary ({vocab}) is not SmolLM2's: "
+            "put the model's tokenizer.json (and tokenizer_config.json) beside it"
+        )
     return tokenizer
 
 
 def eos_ids(folder: Path, tokenizer: Any, genai: dict) -> frozenset[int]:
     ids: set[int] = set()
-    for value in (_read_json(folder / "generation_config.json").get("eos_token_id"),
-                  genai.get("eos_token_id"), tokenizer.eos_token_id):
+    for value in (
+        _read_json(folder / "generation_config.json").get("eos_token_id"),
+        genai.get("eos_token_id"),
+        tokenizer.eos_token_id,
+    ):
         if isinstance(value, int):
             ids.add(value)
         elif isinstance(value, list):

@@ -12,8 +12,13 @@ MAX_STOPS = 4  # as the OpenAI API
 class ApiError(Exception):
     """An error answered as OpenAI error JSON: {"error": {"message", "type", "param", "code"}}."""
 
-    TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error",
-             500: "server_error", 503: "server_error"}
+    TYPES = {
+        400: "invalid_request_error",
+        404: "invalid_request_error",
+        429: "rate_limit_error",
+        500: "server_error",
+        503: "server_error",
+    }
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)

@@ -21,17 +21,29 @@ def _check_port(host: str, port: int) -> None:
         try:
             s.bind((host, port))
         except OSError as exc:
-            raise UserError(f"cannot listen on {host}:{port} ({exc.strerror}); choose another --port") from None
+            raise UserError(
+                f"cannot listen on {host}:{port} ({exc.strerror}); choose another --port"
+            ) from None
 
 
 def serve(
-    model: str | Path, *, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8, max_queue: int = 64,
-    log_level: str = "info", **load_args,
+    model: str | Path,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    max_batch: int = 8,
+    max_queue: int = 64,
+    log_level: str = "info",
+    **load_args,
 ) -> None:
     _check_port(host, port)
     served = load(model, **load_args)
-    print(f"serving {served.id} ({served.source.backend}: {served.source.target}) on http://{host}:{port}/v1 "
-          f"(max batch {max_batch}, context {served.max_context})", file=sys.stderr, flush=True)
+    print(
+        f"serving {served.id} ({served.source.backend}: {served.source.target}) on http://{host}:{port}/v1 "
+        f"(max batch {max_batch}, context {served.max_context})",
+        file=sys.stderr,
+        flush=True,
+    )
     app = create_app(served, max_batch, max_queue)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
 
