@@ -432,7 +432,41 @@ def infer_node(node: ir.Node, ins: Sequence[Info]) -> list[Info] | None:
         return [Info((None,))]
     if op == "Split":
         return _split(node, x, ins)
+    if node.op_type in ATTENTION_OPS and node.domain in ("", "ai.onnx", "com.microsoft"):
+        return attention_op(node, ins)
     return None
+
+
+ATTENTION_OPS = ("Attention", "GroupQueryAttention", "MultiHeadAttention")
+
+
+def attention_op(node: ir.Node, ins: Sequence[Info], heads: int = 0, kv_heads: int = 0) -> list[Info]:
+    """Output shapes of a fused attention op (opset-23 Attention, ORT GroupQueryAttention or
+    MultiHeadAttention) with `heads`/`kv_heads` query/KV heads (default: its attributes)."""
+    op = node.op_type
+    heads = heads or int(node_attr(node, "q_num_heads" if op == "Attention" else "num_heads", 0))
+    kv_heads = kv_heads or int(node_attr(node, "kv_num_heads", 0)) or heads
+    unknown = [UNKNOWN] * len(node.outputs)
+    q = ins[0].shape if ins else None
+    if q is None or heads <= 0:
+        return unknown
+    v = ins[2].shape if len(ins) > 2 and node.inputs[2] is not None else None
+    if len(q) == 4:  # [b, heads, s, hd]
+        y: Dims = (q[0], Dim(heads), q[2], v[3] if v is not None and len(v) == 4 else q[3])
+        hd = q[3]
+    elif len(q) == 3 and q[2] is not None and q[2].is_int:
+        packed = v is None and op == "GroupQueryAttention"
+        hd_int = int(q[2]) // (heads + 2 * kv_heads) if packed else int(q[2]) // heads
+        hd_v = (
+            int(v[2]) // kv_heads
+            if v is not None and v[2] is not None and v[2].is_int and op != "MultiHeadAttention"
+            else hd_int
+        )
+        y, hd = (q[0], q[1], Dim(heads * hd_v)), Dim(hd_int)
+    else:
+        return unknown
+    present = Info((q[0], Dim(kv_heads), None, hd))
+    return [Info(y), *[present] * (len(node.outputs) - 1)][: len(node.outputs)]
 
 
 def _slice(x: Info, ins: Sequence[Info]) -> Info:

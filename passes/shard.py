@@ -39,12 +39,20 @@ import onnx_ir as ir
 from passes.errors import UserError
 from passes.model_io import EXTERNAL_DATA_THRESHOLD, has_external_data, load_model, save_model, weight_bytes
 from passes.shapes import Dim, Info, World, dims_to_ir
-from passes.shard_dims import RankWorld, ShapeRewrite
+from passes.shard_dims import HeadMap, RankWorld, ShapeRewrite
 from passes.shard_graph import Branch, TpStructure, WeightRef, constant_tensor, find_structure
+from passes.shard_plan import (  # noqa: F401  (VALID_TP, kv_layout: re-exported)
+    PAD,
+    VALID_TP,
+    HeadPlan,
+    check_tp,
+    head_columns,
+    kv_layout,
+    padded_range,
+)
 
 COLLECTIVE_OP = "DistCollective"
 COLLECTIVE_DOMAIN = "trt"
-VALID_TP = (1, 2, 4, 8)
 LM_HEAD_MODES = ("replicated", "vocab")
 MANIFEST = "tp.json"
 MANIFEST_FORMAT = "ffn-fusion-tp/1"
@@ -53,14 +61,17 @@ METADATA_KEY = "ffn_fusion.tp"
 
 @dataclass(frozen=True)
 class WeightSlice:
-    """Rows (axis 0) or columns (axis 1) [start, stop) of a linear layer's [in, out] weight.
+    """Rows (axis 0) or columns (axis 1) of a linear layer's [in, out] weight, gathered by index.
 
-    Indices past the weight's size read as zeros (padding)."""
+    An index PAD reads as zeros (padding)."""
 
     ref: WeightRef
     axis: int
-    start: int
-    stop: int
+    indices: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return len(self.indices)
 
 
 @dataclass
@@ -83,6 +94,7 @@ class BranchSummary:
     heads: int = 0
     kv_heads: int = 0
     kv_heads_per_rank: int = 0
+    heads_per_rank: int = 0  # padded with zero heads when tp does not divide the heads
     cache_inputs: list[str] = field(default_factory=list)  # decode graphs: past K/V graph inputs
     cache_outputs: list[str] = field(default_factory=list)  # and the present outputs they become
 
@@ -128,71 +140,51 @@ class ShardReport:
 # ------------------------------------------------------------------------------------------- planning
 
 
-def check_tp(tp: int) -> None:
-    if tp not in VALID_TP:
-        raise UserError(f"--tp must be one of {', '.join(map(str, VALID_TP))}, got {tp}")
-
-
-def kv_layout(heads: int, kv_heads: int, tp: int, rank: int) -> tuple[int, int]:
-    """(first KV head, KV heads) a rank keeps: a contiguous share, or the one its query heads use."""
-    if kv_heads >= tp:
-        if kv_heads % tp:
-            raise UserError(
-                f"{kv_heads} KV heads cannot be split over {tp} ranks; use a tp that divides "
-                f"{kv_heads} or is a multiple of it"
-            )
-        per = kv_heads // tp
-        return rank * per, per
-    if tp % kv_heads:
-        raise UserError(
-            f"{kv_heads} KV heads cannot be replicated over {tp} ranks; use a tp that is a "
-            f"multiple of {kv_heads}"
-        )
-    group = heads // kv_heads
-    return (rank * (heads // tp)) // group, 1
-
-
-def _check_heads(branch: Branch, tp: int) -> None:
-    if branch.heads % tp:
-        raise UserError(
-            f"{branch.describe()}: {branch.heads} attention heads are not divisible by tp={tp}; "
-            f"use a tp that divides {branch.heads}"
-        )
-
-
 def plan_slices(structure: TpStructure, tp: int, rank: int, lm_head: str) -> list[WeightSlice]:
     slices: list[WeightSlice] = []
     for branch in structure.branches:
         if branch.kind == "attention":
-            _check_heads(branch, tp)
-            hd = branch.head_dim
-            per = branch.heads // tp
-            first_kv, kv = kv_layout(branch.heads, branch.kv_heads, tp, rank)
-            q = (rank * per * hd, (rank + 1) * per * hd)
-            k = (first_kv * hd, (first_kv + kv) * hd)
-            assert branch.q is not None and branch.k is not None and branch.v is not None
-            slices += [
-                WeightSlice(branch.q, 1, *q),
-                WeightSlice(branch.k, 1, *k),
-                WeightSlice(branch.v, 1, *k),
-                WeightSlice(branch.row, 0, *q),
-            ]
+            slices += _attention_slices(branch, HeadPlan(branch.heads, branch.kv_heads, tp), rank)
         else:
             per = math.ceil(branch.width / tp)
-            cols = (rank * per, (rank + 1) * per)
-            slices += [WeightSlice(c, 1, *cols) for c in branch.columns]
-            slices.append(WeightSlice(branch.row, 0, *cols))
+            cols = tuple(padded_range(rank * per, (rank + 1) * per, branch.width))
+            slices += [WeightSlice(c, 1, cols) for c in branch.columns]
+            slices.append(WeightSlice(branch.row, 0, cols))
     if lm_head == "vocab":
         if structure.lm_head is None:
             raise UserError("lm_head='vocab': no lm_head (final linear layer reaching an output) found")
-        per = math.ceil(structure.lm_head.matrix_shape()[1] / tp)
-        slices.append(WeightSlice(structure.lm_head, 1, rank * per, (rank + 1) * per))
+        vocab = structure.lm_head.matrix_shape()[1]
+        per = math.ceil(vocab / tp)
+        slices.append(
+            WeightSlice(structure.lm_head, 1, tuple(padded_range(rank * per, (rank + 1) * per, vocab)))
+        )
     return slices
+
+
+def _attention_slices(branch: Branch, plan: HeadPlan, rank: int) -> list[WeightSlice]:
+    """q/k/v columns and o_proj rows of this rank's heads (a packed qkv weight: one gathered slice)."""
+    assert branch.q is not None and branch.k is not None and branch.v is not None
+    hd = branch.head_dim
+    q_heads, kv_heads = plan.q_sources(rank), plan.kv_sources(rank)
+    q = head_columns(q_heads, hd)
+    row = WeightSlice(branch.row, 0, tuple(q))
+    if branch.packed:
+        q_off, k_off, v_off = branch.offsets
+        cols = head_columns(q_heads, hd, q_off) + head_columns(kv_heads, hd, k_off)
+        cols += head_columns(kv_heads, hd, v_off)
+        return [WeightSlice(branch.q, 1, tuple(cols)), row]
+    kv = tuple(head_columns(kv_heads, hd))
+    return [
+        WeightSlice(branch.q, 1, tuple(q)),
+        WeightSlice(branch.k, 1, kv),
+        WeightSlice(branch.v, 1, kv),
+        row,
+    ]
 
 
 def _sliced_shape(s: WeightSlice) -> tuple[int, int]:
     rows, cols = s.ref.matrix_shape()
-    n = s.stop - s.start
+    n = s.size
     shape = (n, cols) if s.axis == 0 else (rows, n)
     return (shape[1], shape[0]) if s.ref.transposed else shape
 
@@ -225,6 +217,8 @@ def shard_in_memory(model: ir.Model, tp: int, rank: int, lm_head: str = "replica
         rewriter.slice_weight(s)
     for rw in rank_world.rewrites:
         rewriter.rewrite_shape(rw, rank_world)
+    for node, name, value in rank_world.attr_rewrites:
+        node.attributes[name] = ir.AttrInt64(name, value)
     _update_shapes(graph, rank_world)
     for branch in structure.branches:
         _insert_collective(graph, branch.row.node.outputs[0], "all_reduce", tp)
@@ -250,9 +244,15 @@ def _rank_world(
         seeds[s.ref.value] = Info(tuple(Dim(d) for d in _sliced_shape(s)))
     owner = structure.branch_of()
 
-    def head_ratio(node: ir.Node) -> int | None:
+    maps = {}
+    for b in structure.attention:
+        plan = HeadPlan(b.heads, b.kv_heads, tp)
+        rank = (plan.heads_per_rank, plan.kv_per_rank, plan.group_per_rank)
+        maps[b.index] = HeadMap((b.heads, b.kv_heads, b.heads // b.kv_heads), rank)
+
+    def heads(node: ir.Node) -> HeadMap | None:
         branch = owner.get(node)
-        return tp if branch is not None and branch.kind == "attention" else None
+        return maps.get(branch.index) if branch is not None else None
 
     def where(node: ir.Node) -> str:
         branch = owner.get(node)
@@ -262,7 +262,7 @@ def _rank_world(
     if lm_head == "vocab" and structure.lm_head is not None:
         rows.discard(structure.lm_head.node)
     caches = {c.past for b in structure.branches for c in b.caches}
-    return RankWorld(world, seeds, head_ratio, rows, where, caches).run()
+    return RankWorld(world, seeds, heads, rows, where, caches).run()
 
 
 def _update_shapes(graph: ir.Graph, world: RankWorld) -> None:
@@ -325,9 +325,9 @@ class _Rewriter:
         axis = ref.source_axis(s.axis)
         tensor = ref.tensor
         shape = list(int(d) for d in tensor.shape)
-        shape[axis] = s.stop - s.start
+        shape[axis] = s.size
         lazy = ir.LazyTensor(
-            _slicer(tensor, axis, s.start, s.stop, 0),
+            _slicer(tensor, axis, s.indices, 0),
             dtype=tensor.dtype,
             shape=ir.Shape(shape),
             name=ref.source.name,
@@ -365,7 +365,7 @@ class _Rewriter:
         if tensor is None or not tensor.shape or int(tensor.shape[-1]) != cols or cols == 1:
             return
         axis = len(tensor.shape) - 1
-        sliced = _slicer(tensor, axis, s.start, s.stop, 0)()
+        sliced = _slicer(tensor, axis, s.indices, 0)()
         name = node.inputs[slot].name or f"{node.name}_bias"
         node.replace_input_with(slot, self._initializer(f"{name}.tp{self.tp}_rank{self.rank}", sliced))
 
@@ -383,7 +383,7 @@ class _Rewriter:
                 raise UserError(f"DequantizeLinear {node.name!r}: its scale/zero point is not a constant")
             if math.prod(tensor.shape) <= 1 or dq_axis != axis:
                 continue  # per-tensor, or per-channel along the other axis: replicated
-            sliced = _slicer(tensor, 0, s.start, s.stop, pad)()
+            sliced = _slicer(tensor, 0, s.indices, pad)()
             value = node.inputs[slot]
             name = value.name if value.name else f"{node.name}_scale"
             node.replace_input_with(slot, self._initializer(f"{name}.tp{self.tp}_rank{self.rank}", sliced))
@@ -485,26 +485,30 @@ def _is_static(value: ir.Value | None, depth: int = 0) -> bool:
 
 
 def _slicer(
-    tensor: ir.TensorProtocol, axis: int, start: int, stop: int, pad: float
+    tensor: ir.TensorProtocol, axis: int, indices: tuple[int, ...], pad: float
 ) -> Callable[[], ir.Tensor]:
+    """Gather `indices` along `axis` (PAD reads as `pad`); a contiguous run reads as one slice."""
+
     def make() -> ir.Tensor:
         array = tensor.numpy()
-        n = array.shape[axis]
-        index = [slice(None)] * array.ndim
-        index[axis] = slice(min(start, n), min(stop, n))
-        part = np.array(array[tuple(index)], copy=True, order="C")
+        idx = np.asarray(indices, dtype=np.int64)
+        real = idx != PAD
+        if real.all() and len(idx) and np.array_equal(idx, np.arange(idx[0], idx[0] + len(idx))):
+            index = [slice(None)] * array.ndim
+            index[axis] = slice(int(idx[0]), int(idx[0]) + len(idx))
+            part = np.array(array[tuple(index)], copy=True, order="C")
+        else:
+            shape = list(array.shape)
+            shape[axis] = len(idx)
+            part = np.full(shape, pad, dtype=array.dtype) if pad else np.zeros(shape, dtype=array.dtype)
+            where = [slice(None)] * array.ndim
+            where[axis] = np.flatnonzero(real)
+            part[tuple(where)] = np.take(array, idx[real], axis=axis)
         del array
         release = getattr(tensor, "release", None)
         if release is not None:
             with contextlib.suppress(BufferError):  # another view of the mapping is still alive
                 release()
-        if part.shape[axis] < stop - start:
-            shape = list(part.shape)
-            shape[axis] = stop - start
-            full = np.full(shape, pad, dtype=part.dtype) if pad else np.zeros(shape, dtype=part.dtype)
-            index[axis] = slice(0, part.shape[axis])
-            full[tuple(index)] = part
-            part = full
         return ir.Tensor(part, dtype=tensor.dtype, name=tensor.name)
 
     return make
@@ -623,8 +627,9 @@ def summarize(model: ir.Model, tp: int) -> list[BranchSummary]:
         padded = math.ceil(b.width / tp) * tp if b.kind == "ffn" else 0
         summary = BranchSummary(b.index, b.kind, b.width, padded, b.heads, b.kv_heads)
         if b.kind == "attention":
-            _check_heads(b, tp)
-            summary.kv_heads_per_rank = kv_layout(b.heads, b.kv_heads, tp, 0)[1]
+            plan = HeadPlan(b.heads, b.kv_heads, tp)
+            summary.kv_heads_per_rank = plan.kv_per_rank
+            summary.heads_per_rank = plan.heads_per_rank
             summary.cache_inputs = [c.past.name for c in b.caches]
             summary.cache_outputs = [c.present.name for c in b.caches if c.present is not None]
         out.append(summary)

@@ -17,6 +17,7 @@ import onnx_ir as ir
 
 from passes.errors import UserError
 from passes.shapes import (
+    ATTENTION_OPS,
     ONE,
     REDUCE,
     UNKNOWN,
@@ -26,6 +27,7 @@ from passes.shapes import (
     MaybeDim,
     World,
     align,
+    attention_op,
     axes_from,
     broadcast,
     contraction_dims,
@@ -47,12 +49,35 @@ class ShapeRewrite:
     values: list[int | None]  # None: keep that element as it is computed now
 
 
+@dataclass(frozen=True)
+class HeadMap:
+    """Query heads, KV heads and query heads per KV head of an attention block: the full model's and
+    one rank's (planned by passes.shard_plan, zero heads included)."""
+
+    full: tuple[int, int, int]
+    rank: tuple[int, int, int]
+
+    def candidates(self, d: MaybeDim, repeat: bool = False) -> list[MaybeDim]:
+        """What a dim of the full model may become on the rank: a head count (times other factors)
+        mapped to the rank's, KV heads first; a broadcast repeat axis (`repeat`) tries the group first."""
+        if d is None or d == ONE or self.full == self.rank:
+            return [d]
+        order = (2, 0, 1) if repeat else (1, 0, 2)
+        out: list[MaybeDim] = []
+        for role in order:
+            f, r = self.full[role], self.rank[role]
+            if f > 1 and d.coef % f == 0:
+                out.append(Dim(d.coef // f * r, d.syms))
+        return [*dict.fromkeys(out), d]
+
+
 @dataclass
 class RankWorld:
     """The same graph as one rank sees it: `seeds` override the shapes of the projection weights.
 
-    `head_ratio(node)` gives, for nodes inside an attention branch, how many times fewer query heads the
-    rank has (tp); an Expand that repeats KV heads for grouped-query attention is fixed to match it.
+    `heads(node)` gives, for nodes inside an attention branch, the branch's `HeadMap`: a Reshape maps
+    head counts to the rank's, and an Expand that repeats KV heads for grouped-query attention repeats
+    them as often as the rank's query heads need.
     `row_nodes` are the row-parallel MatMuls, whose contraction axis is sharded on purpose.
     `caches` are KV-cache graph inputs (decode graphs): each takes, on this rank, the shape of the new
     keys/values it is concatenated with (the rank's KV heads), except along the Concat axis.
@@ -60,12 +85,13 @@ class RankWorld:
 
     full: World
     seeds: dict[ir.Value, Info]
-    head_ratio: Callable[[ir.Node], int | None]
+    heads: Callable[[ir.Node], HeadMap | None]
     row_nodes: set[ir.Node]
     where: Callable[[ir.Node], str]
     caches: set[ir.Value] = field(default_factory=set)
     over: dict[ir.Value, Info] = field(default_factory=dict)
     rewrites: list[ShapeRewrite] = field(default_factory=list)
+    attr_rewrites: list[tuple[ir.Node, str, int]] = field(default_factory=list)  # fused attention ops
 
     def get(self, value: ir.Value | None) -> Info:
         if value is None:
@@ -84,7 +110,7 @@ class RankWorld:
         early = {v: self.over[v] for v in self.caches if v in self.over and len(v.uses()) > 1}
         if early:
             self.seeds = {**self.seeds, **early}
-            self.over, self.rewrites = {}, []
+            self.over, self.rewrites, self.attr_rewrites = {}, [], []
             self._run_once()
         return self
 
@@ -93,7 +119,7 @@ class RankWorld:
         for node in self.full.graph:
             if any(o in self.seeds for o in node.outputs):
                 continue
-            forced = node.op_type == "Expand" and self.head_ratio(node) is not None
+            forced = node.op_type == "Expand" and self.heads(node) is not None
             if not forced and not any(self.changed(v) for v in node.inputs):
                 continue
             outs = self._infer(node)
@@ -120,6 +146,8 @@ class RankWorld:
         if op == "Concat" and any(v in self.caches for v in node.inputs):
             self._shape_caches(node)
         ins = [self.get(v) for v in node.inputs]
+        if op in ATTENTION_OPS:
+            return self._fused_attention(node, ins)
         self._check_axes(node, ins)
         if op == "Reshape":
             return [self._reshape(node, ins)]
@@ -138,6 +166,31 @@ class RankWorld:
             raise self._fail(node, "is not supported on a sharded tensor")
         if op == "Concat":
             outs = [self._concat_axis_as_full(node, outs[0])]
+        return outs
+
+    def _fused_attention(self, node: ir.Node, ins: Sequence[Info]) -> list[Info]:
+        """A fused attention op runs the rank's heads: its head attributes and cache shapes change."""
+        heads = self.heads(node)
+        if heads is None:
+            raise self._fail(node, "is a fused attention op outside an attention branch")
+        q_r, kv_r, _ = heads.rank
+        for value in node.inputs:
+            full = self.full.get(value).shape if value in self.caches else None
+            if full is not None and len(full) == 4 and value not in self.over:
+                self.over[value] = Info((full[0], Dim(kv_r), full[2], full[3]))
+        ins = [self.get(v) for v in node.inputs]
+        names = (
+            ("q_num_heads", "kv_num_heads") if node.op_type == "Attention" else ("num_heads", "kv_num_heads")
+        )
+        for name, value in zip(names, (q_r, kv_r), strict=True):
+            if name in node.attributes:
+                self.attr_rewrites.append((node, name, value))
+        outs = attention_op(node, ins, q_r, kv_r)
+        # present K/V: the full model's length (past + new), the rank's KV heads
+        for k in range(1, len(outs)):
+            full = self.full.get(node.outputs[k]).shape
+            if full is not None and len(full) == 4:
+                outs[k] = Info((full[0], Dim(kv_r), full[2], full[3]))
         return outs
 
     def _concat_axis_as_full(self, node: ir.Node, out: Info) -> Info:
@@ -208,7 +261,7 @@ class RankWorld:
         full_in, full_out = self.full.get(data).shape, self.full.get(node.outputs[0]).shape
         if not self.changed(data) or full_in is None or full_out is None or ins[0].shape is None:
             return Info(naive)
-        intended = _intended_reshape(full_in, full_out, ins[0].shape)
+        intended = _intended_reshape(full_in, full_out, ins[0].shape, self.heads(node))
         if intended is None:
             shapes = f"{fmt_dims(full_in)} -> {fmt_dims(full_out)}"
             raise self._fail(node, f"reshapes {shapes} in a way the pass cannot map")
@@ -234,8 +287,8 @@ class RankWorld:
         data = node.inputs[0]
         target = ins[1].value
         x_full, x_rank = self.full.get(data).shape, ins[0].shape
-        want = self.head_ratio(node)
-        if (not self.changed(data) and want is None) or target is None or x_full is None or x_rank is None:
+        heads = self.heads(node)
+        if (not self.changed(data) and heads is None) or target is None or x_full is None or x_rank is None:
             try:
                 return Info(broadcast(x_rank, target) if target is not None else None)
             except ValueError as exc:
@@ -254,19 +307,12 @@ class RankWorld:
                     values[k - offset] = 1
             else:
                 intended.append(broadcast((xf[k],), (t[k],))[0] if t[k] is not None else xf[k])
-        ratio_in = _ratio(product(xf), product(xr))
-        if want is not None and ratio_in is not None and ratio_in != want:
-            if want % ratio_in:
-                raise self._fail(node, f"repeats heads {ratio_in}x fewer than the query heads ({want})")
-            extra = want // ratio_in
-            for k in range(offset, n):
-                tk = t[k]
-                if xf[k] == ONE and tk is not None and tk.is_int and int(tk) > 1 and int(tk) % extra == 0:
-                    intended[k] = Dim(int(tk) // extra)
-                    values[k - offset] = int(tk) // extra
-                    break
-            else:
-                raise self._fail(node, "repeats KV heads in a way the pass cannot rescale")
+        for k in range(offset, n):  # a repeat axis (x has 1 there): as many copies as the rank needs
+            tk = t[k]
+            if heads is not None and xf[k] == ONE and tk is not None and tk.is_int and int(tk) > 1:
+                new = heads.candidates(tk, repeat=True)[0]
+                if new != tk:
+                    intended[k], values[k - offset] = new, int(new)
         if any(v is not None for v in values):
             self.rewrites.append(ShapeRewrite(node, 1, values))
         return Info(tuple(intended))
@@ -279,7 +325,9 @@ def _ratio(full: MaybeDim, rank: MaybeDim) -> int | None:
     return int(r) if r.is_int else None
 
 
-def _intended_reshape(full_in: Dims, full_out: Dims, rank_in: Dims) -> Dims | None:
+def _intended_reshape(
+    full_in: Dims, full_out: Dims, rank_in: Dims, heads: HeadMap | None = None
+) -> Dims | None:
     """The rank's Reshape output: each axis group shrinks by its input's ratio, outermost axes first.
 
     Heads are outer to head_dim in every projection layout, so a split [H*hd] -> [H, hd] divides H; a
@@ -291,6 +339,13 @@ def _intended_reshape(full_in: Dims, full_out: Dims, rank_in: Dims) -> Dims | No
         return None
     out = list(full_out)
     for gi, gj in groups:
+        if heads is not None:
+            found = _map_group([full_out[k] for k in gj], product(rank_in[k] for k in gi), heads)
+            if found is None:
+                return None
+            for k, d in zip(gj, found, strict=True):
+                out[k] = d
+            continue
         ratio = _ratio(product(full_in[k] for k in gi), product(rank_in[k] for k in gi))
         if ratio is None:
             return None
@@ -307,3 +362,22 @@ def _intended_reshape(full_in: Dims, full_out: Dims, rank_in: Dims) -> Dims | No
         if ratio != 1:
             return None
     return tuple(out)
+
+
+def _map_group(dims: list[MaybeDim], want: MaybeDim, heads: HeadMap) -> list[MaybeDim] | None:
+    """The first assignment of head-mapped dims (outer axes first) whose product is `want`."""
+    if product(dims) == want:
+        return dims
+    if want is None:
+        return None
+
+    def search(k: int, chosen: list[MaybeDim]) -> list[MaybeDim] | None:
+        if k == len(dims):
+            return chosen if product(chosen) == want else None
+        for d in heads.candidates(dims[k]):
+            found = search(k + 1, [*chosen, d])
+            if found is not None:
+                return found
+        return None
+
+    return search(0, [])

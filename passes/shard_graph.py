@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 import onnx_ir as ir
 
 from passes.errors import UserError
+from passes.graph import NoMatch
+from passes.patterns.attention import Attention, match_attention
 from passes.shapes import World, align, product
 
 WEIGHT_CHAIN_OPS = ("Transpose", "Cast", "Identity", "DequantizeLinear")
@@ -147,6 +149,12 @@ class Branch:
     kv_heads: int = 0
     head_dim: int = 0
     caches: list[CacheRef] = field(default_factory=list)  # decode graphs: past K/V inputs
+    attention: Attention | None = None  # the recognizer's record
+    offsets: tuple[int, ...] = ()  # a packed qkv weight: first column of q, k and v
+
+    @property
+    def packed(self) -> bool:
+        return bool(self.offsets)
     # ffn
     width: int = 0
 
@@ -183,8 +191,8 @@ def find_structure(model: ir.Model, world: World | None = None) -> TpStructure:
     stream = embedding.outputs[0]
     branches: list[Branch] = []
     while (found := _residual(stream)) is not None:
-        residual, branch_value = found
-        branches.append(_branch(len(branches), stream, residual, branch_value, order, world))
+        residual, branch_value, read = found
+        branches.append(_branch(len(branches), read, residual, branch_value, order, world))
         stream = residual.outputs[0]
     if not branches:
         raise UserError(
@@ -241,16 +249,30 @@ def _linear_end(value: ir.Value | None) -> ir.Node | None:
     return None
 
 
-def _residual(stream: ir.Value) -> tuple[ir.Node, ir.Value] | None:
+def _aliases(stream: ir.Value) -> list[ir.Value]:
+    """The stream and its copies through Cast/Identity (Optimum and TorchScript add the Cast's output)."""
+    out, frontier = [stream], [stream]
+    while frontier:
+        value = frontier.pop()
+        for use in value.uses():
+            if use.node.op_type in ("Cast", "Identity") and use.node.outputs[0].dtype == stream.dtype:
+                out.append(use.node.outputs[0])
+                frontier.append(use.node.outputs[0])
+    return out
+
+
+def _residual(stream: ir.Value) -> tuple[ir.Node, ir.Value, ir.Value] | None:
+    """The residual Add on the stream, its branch value, and the stream copy the branch reads."""
     found = []
-    for use in stream.uses():
-        node = use.node
-        if node.op_type == "Add" and use.idx in (0, 1) and len(node.inputs) == 2:
-            other = node.inputs[1 - use.idx]
-            if other is not stream and _linear_end(other) is not None:
-                found.append((node, other))
+    for alias in _aliases(stream):
+        for use in alias.uses():
+            node = use.node
+            if node.op_type == "Add" and use.idx in (0, 1) and len(node.inputs) == 2:
+                other = node.inputs[1 - use.idx]
+                if other is not alias and _linear_end(other) is not None:
+                    found.append((node, other, alias))
     if len(found) > 1:
-        names = ", ".join(repr(n.name) for n, _ in found)
+        names = ", ".join(repr(n.name) for n, _, _ in found)
         raise UserError(f"the residual stream {stream.name!r} feeds several residual adds ({names})")
     return found[0] if found else None
 
@@ -287,19 +309,17 @@ def _branch(
         raise UserError(f"residual branch {index}: its last projection does not depend on the stream")
     inputs = {v for n in nodes for v in n.inputs if v is not None and v.is_graph_input()}
     caches = _cache_inputs(inputs, nodes, _graph_outputs(residual))
-    other = sorted(v.name for v in inputs - {c.past for c in caches})
+    fused_inputs = {v for n in nodes if n.op_type in FUSED_ATTENTION_OPS for v in n.inputs}
+    other = sorted(v.name for v in inputs - {c.past for c in caches} - fused_inputs)
     if other:
         raise UserError(
             f"residual branch {index} reads the graph input {other[0]!r}, which is not a KV cache "
             "(a graph input used, besides Shape, only by a Concat with the branch's new keys or values); "
             "cannot shard it"
         )
-    fused = sorted({n.op_type for n in nodes} & FUSED_ATTENTION_OPS)
-    if fused:
-        raise UserError(
-            f"residual branch {index}: fused attention op {fused[0]} is not supported; "
-            "export attention as MatMul/Softmax"
-        )
+    plugin = sorted({n.op_type for n in nodes} & {"AttentionPlugin"})
+    if plugin:
+        raise UserError(f"residual branch {index}: the TensorRT {plugin[0]} op cannot be sharded")
     linears = sorted((n for n in nodes if weight_ref(n) is not None), key=order.__getitem__)
     after = _after_linear(nodes, order)
     columns = [weight_ref(n) for n in linears if not any(_is_after(v, after) for v in n.inputs[:1])]
@@ -323,9 +343,9 @@ def _branch(
         raise UserError(f"residual branch {index}: no column projections found before {row_node.name!r}")
     branch = Branch(index, "ffn", stream, residual, row, columns, nodes)  # type: ignore[arg-type]
     branch.caches = caches
-    if any(n.op_type == "Softmax" for n in nodes):
+    if any(n.op_type == "Softmax" or n.op_type in FUSED_ATTENTION_OPS for n in nodes):
         branch.kind = "attention"
-        _attention_roles(branch, world)
+        _attention_roles(branch, value)
     else:
         if caches:
             raise UserError(
@@ -395,53 +415,35 @@ def _forward(start: ir.Value, nodes: set[ir.Node]) -> set[ir.Value]:
     return seen
 
 
-def _attention_roles(branch: Branch, world: World) -> None:
+def _attention_roles(branch: Branch, output: ir.Value) -> None:
+    """q/k/v, heads and cache roles from the attention recognizer (passes.patterns.attention)."""
     where = branch.describe()
-    softmaxes = [n for n in branch.nodes if n.op_type == "Softmax"]
-    if len(softmaxes) != 1:
-        raise UserError(f"{where}: expected one Softmax, found {len(softmaxes)}")
-    scores = _upstream_matmul(softmaxes[0].inputs[0], branch.nodes)
-    context = _downstream_matmul(softmaxes[0].outputs[0], branch.nodes)
-    if scores is None or context is None:
-        raise UserError(f"{where}: no MatMul(q, k) -> Softmax -> MatMul(probs, v) core found")
-    reach = {id(c): _forward(c.node.outputs[0], branch.nodes) for c in branch.columns}
-
-    def role(value: ir.Value, exclude: ir.Value | None = None) -> WeightRef:
-        hits = [
-            c
-            for c in branch.columns
-            if value in reach[id(c)] and (exclude is None or exclude not in reach[id(c)])
-        ]
-        if len(hits) != 1:
-            raise UserError(
-                f"{where}: expected separate q, k and v projections (found {len(hits)} feeding "
-                f"{value.name!r}); fused qkv projections are not supported"
-            )
-        return hits[0]
-
-    branch.q = role(scores.inputs[0])
-    branch.k = role(scores.inputs[1])
-    branch.v = role(context.inputs[1], exclude=scores.outputs[0])
+    try:
+        record = match_attention(output, branch.stream)
+    except NoMatch as exc:
+        raise UserError(f"{where}: {exc}") from None
+    refs = {id(c.node): c for c in branch.columns}
+    missing = [p for p in (record.q, record.k, record.v) if id(p.node) not in refs]
+    if missing:
+        name = missing[0].node.name
+        raise UserError(f"{where}: projection {name!r} has no constant weight; cannot shard it")
+    branch.attention = record
+    branch.q, branch.k, branch.v = (refs[id(p.node)] for p in (record.q, record.k, record.v))
+    branch.heads, branch.kv_heads, branch.head_dim = record.heads, record.kv_heads, record.head_dim
+    if record.packed:
+        branch.offsets = tuple(p.columns[0] for p in (record.q, record.k, record.v))  # type: ignore[index]
+    kinds = {c.past: c.kind for c in record.caches}
     for cache in branch.caches:
-        reach = _forward(cache.concat.outputs[0], branch.nodes)
-        if scores.inputs[1] in reach:
-            cache.kind = "key"
-        elif context.inputs[1] in reach:
-            cache.kind = "value"
-        else:
-            raise UserError(f"{where}: cache input {cache.past.name!r} reaches neither q @ k^T nor probs @ v")
-    if len(branch.columns) != 3 or len({id(branch.q), id(branch.k), id(branch.v)}) != 3:
-        raise UserError(f"{where}: expected exactly three projections q, k, v; found {len(branch.columns)}")
-    q_out = branch.q.matrix_shape()[1]
-    heads, head_dim = _split_heads(branch.q, branch.nodes, world, where)
-    kv_cols = branch.k.matrix_shape()[1]
-    if head_dim <= 0 or q_out % head_dim or kv_cols % head_dim or branch.v.matrix_shape()[1] != kv_cols:
-        raise UserError(
-            f"{where}: q has {q_out} outputs, k/v {kv_cols}: cannot split into heads of {head_dim}"
-        )
-    branch.heads, branch.head_dim, branch.kv_heads = heads, head_dim, kv_cols // head_dim
-    if branch.row.matrix_shape()[0] != q_out:
-        raise UserError(f"{where}: o_proj has {branch.row.matrix_shape()[0]} inputs, q_proj {q_out} outputs")
+        cache.kind = kinds.get(cache.past, "")
+    known = {c.past for c in branch.caches}
+    outputs = _graph_outputs(branch.residual)
+    for c in record.caches:  # a fused op's past_key/past_value
+        if c.past not in known:
+            present = c.present if c.present in outputs else None
+            branch.caches.append(CacheRef(c.past, c.node, present, c.kind))
+    if len(branch.columns) != (1 if record.packed else 3):
+        names = ", ".join(repr(c.node.name) for c in branch.columns)
+        raise UserError(f"{where}: expected q, k, v projections as its first linear layers, found {names}")
 
 
 def _upstream_matmul(value: ir.Value | None, nodes: set[ir.Node]) -> ir.Node | None:
