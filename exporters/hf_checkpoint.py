@@ -1,0 +1,376 @@
+"""Export a Hugging Face checkpoint folder to ONNX without holding its weights in memory.
+
+    export_hf(folder, "out/model.onnx", dtype=None)  ->  out/model.onnx + model.onnx.data + config.json, ...
+
+How (see docs/export.md, "Hugging Face checkpoints"):
+
+1. config.json is read into per-layer shapes (exporters.hf_config) and the safetensors headers (one file or
+   shards listed by model.safetensors.index.json) into a table name -> file, dtype, shape, byte range.
+   Every tensor the model needs is checked against that table before anything is written.
+2. exporters.hf_model builds the model on the meta device (no weight memory) with the checkpoint's parameter
+   names, and torch.onnx.export(dynamo=True, optimize=False) traces it. Its initializers are then the
+   parameters, named as in the checkpoint (a tied lm_head appears once, under one of its two names).
+3. The rotary buffers get their real values; the parameters get no value at all, so that the exporter's
+   optimizer (run next, the same one `optimize=True` runs) folds everything else but leaves every weight
+   as an untouched, named initializer (linear weights stay [out, in], read through Transpose).
+4. Each weight initializer becomes an external-data reference into `<model>.data`, written tensor by tensor
+   straight from the memory-mapped shards: a kernel copy (copy_file_range) when the dtype is kept, and
+   row chunks through safetensors' get_slice when it is converted. Peak memory stays at the graph plus
+   one chunk.
+
+Everything is written into a staging folder beside the output and moved into place at the end, so a
+failed export leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import struct
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import onnx_ir as ir
+import torch
+
+from exporters.hf_config import DTYPES, HfConfig, read_config
+from exporters.hf_model import build_meta_model, layer_kinds, parameter_aliases, rotary_buffers
+from exporters.onnx_export import EXAMPLE_SHAPE, ExportResult, _name_dims, quiet_export
+from passes.errors import UserError
+from passes.model_io import commit_output, staged_output
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+# Copied beside the model when present: what a runtime needs to load and prompt it.
+SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+              "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+              "chat_template.jinja", "chat_template.json")
+METADATA_KEY = "ffn_fusion.hf"
+ALIGNMENT = 4096  # external data offsets (page-aligned, so runtimes can memory-map each tensor)
+CHUNK_BYTES = 64 << 20  # rows converted at a time when the dtype changes
+# Tensors some checkpoints carry that no computation reads.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+_SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_IR_DTYPES = {"float32": ir.DataType.FLOAT, "float16": ir.DataType.FLOAT16, "bfloat16": ir.DataType.BFLOAT16}
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a safetensors file: its dtype, shape and absolute byte range in `file`."""
+
+    name: str
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+
+@dataclass
+class Checkpoint:
+    """The tensor table of a checkpoint folder, read from the safetensors headers only."""
+
+    folder: Path
+    tensors: dict[str, TensorEntry] = field(default_factory=dict)
+
+    @property
+    def largest_bytes(self) -> int:
+        return max((t.end - t.start for t in self.tensors.values()), default=0)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.end - t.start for t in self.tensors.values())
+
+
+def open_checkpoint(folder: str | Path) -> Checkpoint:
+    """Read the safetensors headers (index + shards, or model.safetensors); UserError for a missing shard."""
+    folder = Path(folder)
+    checkpoint = Checkpoint(folder)
+    index = folder / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise UserError(f"{index}: cannot read 'weight_map' ({type(exc).__name__})") from None
+        files = sorted(set(weight_map.values()))
+        for name in files:
+            if not (folder / name).is_file():
+                raise UserError(f"{index}: shard {name!r} (field 'weight_map') is missing from {folder}")
+        for name in files:
+            checkpoint.tensors.update(read_header(folder / name))
+        for tensor, name in weight_map.items():
+            if tensor not in checkpoint.tensors or checkpoint.tensors[tensor].file.name != name:
+                raise UserError(f"{index}: 'weight_map' puts {tensor!r} in {name}, which does not hold it")
+    elif (folder / SINGLE_FILE).is_file():
+        checkpoint.tensors = read_header(folder / SINGLE_FILE)
+    else:
+        raise UserError(f"{folder}: no {SINGLE_FILE} and no {INDEX_FILE}; save the model with "
+                        "save_pretrained(..., safe_serialization=True)")
+    return checkpoint
+
+
+def read_header(path: Path) -> dict[str, TensorEntry]:
+    """The safetensors header: 8-byte little-endian length, JSON {name: {dtype, shape, data_offsets}}."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        length = struct.unpack("<Q", head)[0] if len(head) == 8 else size
+        if length > size - 8:
+            raise UserError(f"{path}: not a safetensors file (header length {length})")
+        try:
+            header = json.loads(f.read(length))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise UserError(f"{path}: not a safetensors file (bad header)") from None
+    base = 8 + length
+    tensors = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = info["data_offsets"]
+        if base + end > size:
+            raise UserError(f"{path}: tensor {name!r} lies past the end of the file (truncated shard)")
+        tensors[name] = TensorEntry(name, path, info["dtype"], tuple(info["shape"]), base + begin, base + end)
+    return tensors
+
+
+@dataclass(frozen=True)
+class WeightSource:
+    """Where an initializer's bytes come from."""
+
+    initializer: str
+    entry: TensorEntry
+    shape: tuple[int, ...]
+
+
+def plan_weights(config: HfConfig, checkpoint: Checkpoint, model: torch.nn.Module) -> dict[str, WeightSource]:
+    """Map each parameter name (and its aliases) to the checkpoint tensor that fills it; check shapes.
+
+    Raises UserError for a missing tensor, a shape that contradicts config.json, or an unexpected tensor.
+    """
+    aliases = parameter_aliases(model)
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
+    sources: dict[str, WeightSource] = {}
+    for name, names in aliases.items():
+        found = [n for n in names if n in checkpoint.tensors]
+        if not found:
+            raise UserError(f"{checkpoint.folder}: tensor {name!r} is missing from the checkpoint "
+                            f"(config.json: {_field_of(config, name)})")
+        entry = checkpoint.tensors[found[0]]
+        if entry.shape != shapes[name]:
+            raise UserError(f"{entry.file}: tensor {entry.name!r} has shape {list(entry.shape)} but config.json "
+                            f"({_field_of(config, name)}) gives {list(shapes[name])}")
+        if entry.dtype not in _SAFETENSORS_DTYPES:
+            raise UserError(f"{entry.file}: tensor {entry.name!r} has dtype {entry.dtype}; "
+                            f"expected one of {', '.join(_SAFETENSORS_DTYPES)}")
+        sources[name] = WeightSource(name, entry, shapes[name])
+    used = {s.entry.name for s in sources.values()}
+    dropped = _dropped_attention_tensors(config)
+    for name, entry in checkpoint.tensors.items():
+        if name not in used and name not in dropped and not name.endswith(IGNORED_SUFFIXES):
+            raise UserError(f"{entry.file}: tensor {name!r} has no place in the model config.json describes "
+                            f"({_field_of(config, name)})")
+    return sources
+
+
+def _dropped_attention_tensors(config: HfConfig) -> set[str]:
+    """Attention tensors of layers whose attention exporters.hf_folder dropped (o_proj zero): unused."""
+    dropped = config.raw.get("ffn_fusion_dropped_attention") or []
+    names = {"input_layernorm.weight"} | {f"self_attn.{p}_proj.{k}" for p in "qkvo" for k in ("weight", "bias")}
+    return {f"model.layers.{i}.{n}" for i in dropped for n in names}
+
+
+def _field_of(config: HfConfig, name: str) -> str:
+    """The config.json field that sets this tensor's shape or presence."""
+    parts = name.split(".")
+    if len(parts) > 3 and parts[1] == "layers" and parts[2].isdigit() and int(parts[2]) < len(config.layers):
+        layer = config.layers[int(parts[2])]
+        if parts[3] in ("mlp", "post_attention_layernorm"):
+            return layer.ffn_field if config.is_deci else "intermediate_size"
+        if parts[3] in ("self_attn", "input_layernorm"):
+            return layer.attention_field if config.is_deci else "num_key_value_heads, head_dim"
+        return "num_hidden_layers"
+    if parts[0] == "lm_head" or "embed_tokens" in name:
+        return "vocab_size, hidden_size, tie_word_embeddings"
+    if len(parts) > 2 and parts[1] == "layers":
+        return "num_hidden_layers" if not config.is_deci else "block_configs"
+    return "hidden_size"
+
+
+# ------------------------------------------------------------------------------------------- export
+
+
+@dataclass
+class HfExportResult(ExportResult):
+    """ExportResult plus the checkpoint's description."""
+
+    config: HfConfig | None = None
+    dtype: str = ""
+    side_files: list[Path] = field(default_factory=list)
+    layer_kinds: list[str] = field(default_factory=list)
+
+
+def export_hf(folder: str | os.PathLike, output: str | os.PathLike, *, dtype: str | None = None,
+              opset: int | None = None) -> HfExportResult:
+    """Export the checkpoint in `folder` to `output` (+ `<output>.data` and the side files beside it).
+
+    `dtype` (float32 | float16 | bfloat16) defaults to the checkpoint's torch_dtype. Raises UserError for
+    bad input before anything is written.
+    """
+    start = time.perf_counter()
+    folder, output = Path(folder), Path(output)
+    config = read_config(folder)
+    dtype = dtype or config.dtype
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    checkpoint = open_checkpoint(folder)
+    model = build_meta_model(config, _TORCH_DTYPES[dtype])
+    sources = plan_weights(config, checkpoint, model)
+    onnx_model = trace(model, config, opset)
+    onnx_model.metadata_props[METADATA_KEY] = json.dumps(describe(config, folder, dtype))
+    with staged_output(output) as staging:
+        staged = staging / output.name
+        write_weights(onnx_model, sources, staged, _IR_DTYPES[dtype])
+        ir.save(onnx_model, staged)
+        side = [staging / n for n in SIDE_FILES if (folder / n).is_file()]
+        for path in side:
+            shutil.copyfile(folder / path.name, path)
+        for path in side:
+            os.replace(path, output.parent / path.name)
+        commit_output(staged, output)
+    data = output.with_name(f"{output.name}.data")
+    files = [output, data]
+    parameters = sum(p.numel() for p in model.parameters())
+    return HfExportResult(
+        path=output, files=files, bytes=sum(f.stat().st_size for f in files), seconds=time.perf_counter() - start,
+        parameters=parameters, opset=onnx_model.opset_imports.get("", 0), attention=config.attention_flags,
+        config=config, dtype=dtype, side_files=[output.parent / p.name for p in side],
+        layer_kinds=layer_kinds(config))
+
+
+def trace(model: torch.nn.Module, config: HfConfig, opset: int | None) -> ir.Model:
+    """The optimized graph of the meta model; weight initializers keep their names and have no value."""
+    example = torch.zeros(EXAMPLE_SHAPE, dtype=torch.int64, device="meta")
+    parameters = set(parameter_aliases(model))
+    buffers = rotary_buffers(config)
+    with quiet_export() as printed, torch.no_grad(), _quiet_logger("onnx_ir"):
+        try:
+            program = torch.onnx.export(
+                model, (example,), dynamo=True, opset_version=opset, optimize=False,
+                input_names=["input_ids"], output_names=["logits"],
+                dynamic_shapes={"input_ids": {0: "batch", 1: "seq"}}, verbose=False, report=False)
+        except Exception as exc:
+            raise RuntimeError(f"torch.onnx.export failed: {exc}\n{printed.getvalue()}") from exc
+        for name, value in program.model.graph.initializers.items():
+            if name in buffers:
+                value.const_value = ir.tensor(buffers[name].numpy(), name=name)
+            elif name in parameters:
+                value.const_value = None  # the optimizer neither reads nor folds a value it does not have
+            else:
+                raise RuntimeError(f"exported graph has an unexpected initializer {name!r}")
+        program.optimize()
+    onnx_model = program.model
+    _name_dims(onnx_model)
+    return onnx_model
+
+
+@contextlib.contextmanager
+def _quiet_logger(name: str) -> Iterator[None]:
+    """onnx-ir warns once per weight that it skips deduplicating value-less initializers: expected here."""
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def describe(config: HfConfig, folder: Path, dtype: str) -> dict:
+    """The graph's metadata: source architecture, per-layer kinds and names, and block_configs."""
+    return {
+        "format": "ffn-fusion-hf/1",
+        "architecture": config.architecture,
+        "model_type": config.model_type,
+        "dtype": dtype,
+        "source": folder.resolve().name,
+        "layer_names": [f"model.layers.{i}" for i in range(len(config.layers))],
+        "layer_kinds": layer_kinds(config),
+        "block_configs": config.raw.get("block_configs"),
+    }
+
+
+def write_weights(model: ir.Model, sources: dict[str, WeightSource], path: Path, dtype: ir.DataType) -> int:
+    """Write every weight initializer into `<path>.data` and point the initializer at it; returns bytes."""
+    data_name = f"{path.name}.data"
+    data_path = path.with_name(data_name)
+    offset = 0
+    fd = os.open(data_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for name, value in model.graph.initializers.items():
+            if value.const_value is not None:
+                continue  # a computed constant, stored inline
+            source = sources.get(name)
+            if source is None:
+                raise RuntimeError(f"initializer {name!r} has neither a value nor a checkpoint tensor")
+            offset = -(-offset // ALIGNMENT) * ALIGNMENT
+            length = _write_tensor(fd, offset, source.entry, dtype)
+            value.const_value = ir.ExternalTensor(
+                data_name, offset, length, dtype, shape=ir.Shape(source.shape), name=name, base_dir=path.parent)
+            offset += length
+        os.ftruncate(fd, offset)
+    finally:
+        os.close(fd)
+    return offset
+
+
+def _write_tensor(fd: int, offset: int, entry: TensorEntry, dtype: ir.DataType) -> int:
+    """Copy one checkpoint tensor to `fd` at `offset` in `dtype`; returns the bytes written."""
+    if _IR_DTYPES[_SAFETENSORS_DTYPES[entry.dtype]] == dtype:
+        return _copy_range(entry.file, entry.start, entry.end - entry.start, fd, offset)
+    return _convert(entry, fd, offset, _TORCH_DTYPES[_dtype_name(dtype)])
+
+
+def _dtype_name(dtype: ir.DataType) -> str:
+    return next(name for name, d in _IR_DTYPES.items() if d == dtype)
+
+
+def _copy_range(source: Path, start: int, length: int, fd: int, offset: int) -> int:
+    """Kernel-side copy of a byte range (no user-space buffer); plain reads where that is unsupported."""
+    with open(source, "rb") as f:
+        src = f.fileno()
+        done = 0
+        try:
+            while done < length:
+                n = os.copy_file_range(src, fd, length - done, start + done, offset + done)
+                if n == 0:
+                    raise OSError("copy_file_range copied nothing")
+                done += n
+        except OSError:
+            while done < length:
+                chunk = os.pread(src, min(CHUNK_BYTES, length - done), start + done)
+                done += os.pwrite(fd, chunk, offset + done)
+    return length
+
+
+def _convert(entry: TensorEntry, fd: int, offset: int, dtype: torch.dtype) -> int:
+    """Convert in row chunks read through safetensors' get_slice (memory-mapped)."""
+    from safetensors import safe_open
+
+    rows = entry.shape[0] if entry.shape else 1
+    row_bytes = max(1, (entry.end - entry.start) // max(rows, 1))
+    step = max(1, CHUNK_BYTES // row_bytes)
+    written = 0
+    with safe_open(str(entry.file), framework="pt") as f:
+        tensor_slice = f.get_slice(entry.name)
+        for first in range(0, rows, step):
+            chunk = tensor_slice[first:first + step] if entry.shape else f.get_tensor(entry.name)
+            data = chunk.to(dtype).contiguous().view(torch.uint8).numpy()
+            written += os.pwrite(fd, memoryview(data).cast("B"), offset + written)
+    return written
