@@ -100,8 +100,10 @@ class HfConfig:
 
     @property
     def attention_flags(self) -> list[bool]:
-        """Per layer: does it have softmax attention (what passes.blocks calls an attention block)?"""
-        return [layer.attention == "gqa" for layer in self.layers]
+        """Per layer: is there anything (softmax attention or its Linear replacement) in the attention slot?
+
+        Only layers without it can be fused with their neighbours' FFNs."""
+        return [layer.attention != "none" for layer in self.layers]
 
 
 def ffn_width(ffn_mult: float, hidden: int) -> int:

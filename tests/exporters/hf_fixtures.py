@@ -21,8 +21,13 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
 
 
 def save_llama_family(folder: Path, architecture: str = "LlamaForCausalLM", seed: int = 0,
-                      max_shard_size: str | None = None, **overrides: Any) -> Path:
-    """A tiny random model of `architecture` saved with save_pretrained (float32 unless dtype given)."""
+                      max_shard_size: str | None = None, drop_attention: tuple[int, ...] = (),
+                      **overrides: Any) -> Path:
+    """A tiny random model of `architecture` saved with save_pretrained (float32 unless dtype given).
+
+    `drop_attention` zeroes those layers' o_proj and lists them in config.json the way
+    exporters.hf_folder.save_smollm2 does (transformers then computes h + mlp(norm(h)) there).
+    """
     import transformers
 
     kinds = {"LlamaForCausalLM": "LlamaConfig", "MistralForCausalLM": "MistralConfig",
@@ -39,8 +44,15 @@ def save_llama_family(folder: Path, architecture: str = "LlamaForCausalLM", seed
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.copy_(1 + 0.1 * torch.randn_like(param))
+        for layer in drop_attention:
+            model.model.layers[layer].self_attn.o_proj.weight.zero_()
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(folder, **kwargs)
+    if drop_attention:
+        from exporters.hf_folder import DROPPED_ATTENTION_KEY
+
+        path = Path(folder) / "config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), DROPPED_ATTENTION_KEY: list(drop_attention)}))
     return Path(folder)
 
 
