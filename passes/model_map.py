@@ -1,0 +1,369 @@
+"""The model map: one typed picture of a decoder graph, built once, that every pass and tool reads.
+
+    model_map = build_model_map(model)        # onnx_ir.Model; UserError when no blocks are found
+    model_map.embedding                       # Embedding | None (None: a pipeline-stage graph)
+    model_map.stream_start                    # the value the residual stream starts from
+    model_map.blocks                          # [Block] in stream order (passes/blocks.py records)
+    model_map.attention_of(i)                 # AttentionBlock | None for block i; .record is the typed
+                                              # passes.patterns.attention.Attention (heads, KV heads, ...)
+    model_map.final_norm, model_map.lm_head   # Norm | None, LmHead | None
+    model_map.signature                       # passes.graph_inputs.Signature (what each input means)
+    model_map.vocab_size
+
+The walk (DESIGN 2): the stream starts at the token embedding (Gather of a table, directly, through
+Transpose, Cast or Identity, or ORT's GatherBlockQuantized), or, in a pipeline-stage graph with no
+embedding, at the float graph input that carries it. From there it follows the residual adds: an Add, or
+a SkipSimplifiedLayerNormalization whose output 3 is the new stream, reached directly or through
+Cast/Identity copies of the stream (Optimum casts the stream before every norm). A branch that is an
+RMSNorm -> SwiGLU FFN is an FFN sub-block; a branch with an attention core is an attention sub-block.
+Every FFN sub-block with the attention sub-block directly before it (if any) is one block.
+
+This is the only stream walker: passes and tools call `build_model_map` (or `passes.blocks.find_blocks`,
+which returns its blocks).
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import re
+from dataclasses import dataclass
+
+import onnx_ir as ir
+
+from passes.blocks import Block, ResidualAdd
+from passes.errors import UserError
+from passes.graph import NoMatch, attr, is_initializer
+from passes.graph_inputs import Signature
+from passes.patterns.attention import Attention, branch_nodes, match_attention
+from passes.patterns.rmsnorm import Norm, match_rmsnorm
+from passes.patterns.swiglu import SwiGLU, match_swiglu
+
+ATTENTION_OPS = {"Softmax", "Attention", "MultiHeadAttention", "GroupQueryAttention"}
+COPY_OPS = ("Cast", "Identity")
+RESIDUAL_OPS = ("Add", "SkipSimplifiedLayerNormalization")
+_SKIP_NORM = "SkipSimplifiedLayerNormalization"
+_FLOAT_TYPES = {ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE}
+# Between the final norm and lm_head: the exporters' "last tokens only" slicing and reshapes.
+_HEAD_PASS_OPS = ("Cast", "Identity", "Gather", "Slice", "Reshape", "Squeeze", "Unsqueeze", "Flatten")
+
+
+@dataclass(frozen=True)
+class Embedding:
+    """The token embedding: `output` = table[ids]."""
+
+    node: ir.Node  # Gather or GatherBlockQuantized
+    table: ir.Value  # the stored initializer (GenAI's tied table is lm_head's [hidden, vocab] weight)
+    transposed: bool  # read through Transpose: the stored table is [hidden, vocab]
+    ids: ir.Value  # the graph input with the token ids
+    output: ir.Value
+    vocab: int | None
+
+
+@dataclass(frozen=True)
+class AttentionBlock:
+    """The attention sub-block of block `index`: the branch that `residual` adds to the stream."""
+
+    index: int
+    residual: ResidualAdd
+    start: ir.Value  # what the branch reads: the stream, or the normalized stream of a Skip*Norm chain
+
+    @property
+    def output(self) -> ir.Value:
+        return self.residual.branch
+
+    @functools.cached_property
+    def record(self) -> Attention:
+        """The typed attention record (q/k/v or packed qkv, o_proj, heads, KV heads, head dim, caches,
+        mask form); computed on first use. Raises NoMatch when the recognizer does not know the form."""
+        return match_attention(self.residual.branch, self.start)
+
+
+@dataclass(frozen=True)
+class LmHead:
+    node: ir.Node  # MatMul, Gemm or MatMulNBits producing the logits
+    input: ir.Value  # the normalized stream it reads (after any last-token slicing)
+    weight: ir.Value | None  # the stored weight initializer
+    tied: bool  # the same initializer as the token embedding's table
+
+
+@dataclass(frozen=True)
+class ModelMap:
+    graph: ir.Graph
+    signature: Signature
+    embedding: Embedding | None
+    stream_start: ir.Value
+    blocks: tuple[Block, ...]
+    attention: tuple[AttentionBlock, ...]
+    final_norm: Norm | None
+    lm_head: LmHead | None
+
+    def attention_of(self, index: int) -> AttentionBlock | None:
+        return next((a for a in self.attention if a.index == index), None)
+
+    @property
+    def is_pipeline_stage(self) -> bool:
+        return self.embedding is None
+
+    @property
+    def vocab_size(self) -> int | None:
+        if self.embedding is not None and self.embedding.vocab:
+            return self.embedding.vocab
+        return _logits_vocab(self.signature)
+
+
+def build_model_map(model: ir.Model) -> ModelMap:
+    """Walk `model`'s residual stream once; UserError if it has no RMSNorm -> SwiGLU blocks."""
+    graph = model.graph
+    signature = Signature.of(model)
+    embedding = find_embedding(graph)
+    start = embedding.output if embedding is not None else _stream_input(graph, signature)
+    blocks, attention, last = _walk(start)
+    final_norm, lm_head = _head(graph, signature, last, embedding)
+    return ModelMap(graph, signature, embedding, start, tuple(blocks), tuple(attention), final_norm, lm_head)
+
+
+# ------------------------------------------------------------------------------------------ the walk
+
+
+def _walk(stream: ir.Value) -> tuple[list[Block], list[AttentionBlock], ResidualAdd | None]:
+    blocks: list[Block] = []
+    attention: list[AttentionBlock] = []
+    pending: AttentionBlock | None = None
+    block_input = stream
+    unrecognized: list[str] = []
+    last: ResidualAdd | None = None
+    while (residual := _residual_add(stream)) is not None:
+        last = residual
+        try:
+            ffn, norm = _match_ffn(residual, stream)
+        except NoMatch as exc:
+            start = _branch_start(stream)
+            if _is_attention(residual.branch, start):
+                if pending is not None:
+                    raise UserError(
+                        f"two attention sub-blocks in a row after block {len(blocks) - 1}: "
+                        "blocks without an FFN are not supported"
+                    ) from None
+                pending = AttentionBlock(len(blocks), residual, start)
+                attention.append(pending)
+            else:
+                unrecognized.append(f"{_describe_branch(residual.branch, start)} ({exc})")
+        else:
+            name = _layer_name(ffn.output.producer())
+            blocks.append(Block(len(blocks), pending is not None, block_input, norm, ffn, residual, name))
+            pending = None
+        stream = residual.output
+        if stream is None:
+            break
+        if pending is None:
+            block_input = stream
+    if not blocks:
+        found = "; ".join(sorted(set(unrecognized))) or "no residual stream of Add nodes after the embedding"
+        raise UserError(f"no RMSNorm -> SwiGLU FFN blocks found: {found}")
+    return blocks, attention, last
+
+
+def _match_ffn(residual: ResidualAdd, stream: ir.Value) -> tuple[SwiGLU, Norm]:
+    ffn = match_swiglu(residual.branch)
+    norm = match_rmsnorm(ffn.input)
+    if _root(norm.input) is not _root(stream):
+        raise NoMatch("the FFN's RMSNorm does not read the residual stream")
+    return ffn, norm
+
+
+def aliases(stream: ir.Value) -> list[ir.Value]:
+    """`stream` and its Cast/Identity copies (Optimum's norm casts, no-ops in fp32 models)."""
+    found, frontier = [stream], [stream]
+    while frontier:
+        value = frontier.pop()
+        for use in value.uses():
+            node = use.node
+            if node.op_type in COPY_OPS and node.outputs[0] not in found and _is_float_copy(node):
+                found.append(node.outputs[0])
+                frontier.append(node.outputs[0])
+    return found
+
+
+def _is_float_copy(node: ir.Node) -> bool:
+    if node.op_type == "Identity":
+        return True
+    return attr(node, "to", None) in _FLOAT_TYPES
+
+
+def _root(value: ir.Value) -> ir.Value:
+    """Look through Cast/Identity copies back to the stream value."""
+    while (node := value.producer()) is not None and node.op_type in COPY_OPS:
+        value = node.inputs[0]
+    return value
+
+
+def _residual_add(stream: ir.Value) -> ResidualAdd | None:
+    """The residual add that consumes `stream` (or a copy of it), if the stream goes on."""
+    candidates = []
+    for value in aliases(stream):
+        for use in value.uses():
+            node, slot = use.node, use.idx
+            if node.op_type in RESIDUAL_OPS and slot in (0, 1):
+                candidates.append(ResidualAdd(node, slot, 1 - slot))
+    # The residual add's branch ends in a projection; other adds of the stream do not.
+    ending_in_linear = [c for c in candidates if _branch_op(c) in ("MatMul", "Gemm", "MatMulNBits")]
+    chosen = ending_in_linear or candidates
+    return chosen[0] if len(chosen) == 1 else None
+
+
+def _branch_op(residual: ResidualAdd) -> str | None:
+    node = residual.branch.producer() if residual.branch is not None else None
+    return None if node is None else node.op_type
+
+
+def _branch_start(stream: ir.Value) -> ir.Value:
+    """What a branch reads: the stream, or in a Skip*Normalization chain the normalized output (0) of the
+    node whose output 3 is the stream."""
+    node = stream.producer()
+    is_sum = node is not None and node.op_type == _SKIP_NORM and len(node.outputs) > 3
+    if is_sum and node.outputs[3] is stream:
+        return node.outputs[0]
+    return stream
+
+
+def _is_attention(branch: ir.Value, start: ir.Value) -> bool:
+    return any(n.op_type in ATTENTION_OPS for n in branch_nodes(branch, start))
+
+
+def _describe_branch(branch: ir.Value, start: ir.Value) -> str:
+    """A short name for a branch that is neither attention nor RMSNorm -> SwiGLU, e.g. LayerNorm -> GELU."""
+    ops = {n.op_type for n in branch_nodes(branch, start)}
+    norm = "LayerNorm" if "LayerNormalization" in ops or {"Sub", "ReduceMean"} <= ops else "RMSNorm"
+    if ops & {"Gelu", "Erf", "Tanh", "FastGelu", "BiasGelu"}:
+        act = "GELU"
+    elif "Relu" in ops:
+        act = "ReLU"
+    elif "Sigmoid" in ops:
+        act = "SwiGLU-like"
+    else:
+        act = "unknown"
+    return f"{norm} -> {act} FFN"
+
+
+# ------------------------------------------------------------------------------------------ the ends
+
+
+def find_embedding(graph: ir.Graph) -> Embedding | None:
+    """The token-embedding lookup: Gather(table, ids) with the table an initializer, read directly or
+    through Transpose/Cast/Identity, or GatherBlockQuantized (int4); ids a graph input (maybe cast)."""
+    inputs = set(graph.inputs)
+    for node in graph:
+        if node.op_type not in ("Gather", "GatherBlockQuantized") or len(node.inputs) < 2:
+            continue
+        if _root(node.inputs[1]) not in inputs or attr(node, "axis", 0) != 0:
+            continue
+        table, transposed = _table(node.inputs[0])
+        if table is None:
+            continue
+        vocab = _vocab(node, table, transposed)
+        return Embedding(node, table, transposed, _root(node.inputs[1]), node.outputs[0], vocab)
+    return None
+
+
+def _table(value: ir.Value) -> tuple[ir.Value | None, bool]:
+    """The stored table behind a Gather's data input, and whether it is read through a Transpose."""
+    transposed = False
+    while not is_initializer(value):
+        node = value.producer()
+        if node is None or node.op_type not in ("Transpose", "Cast", "Identity", "Reshape"):
+            return None, False
+        transposed ^= node.op_type == "Transpose"
+        value = node.inputs[0]
+    shape = value.const_value.shape
+    return (value, transposed) if len(shape) in (2, 3) else (None, False)
+
+
+def _vocab(node: ir.Node, table: ir.Value, transposed: bool) -> int | None:
+    if node.op_type == "GatherBlockQuantized":
+        return int(table.const_value.shape[0])
+    shape = table.const_value.shape
+    return int(shape[1] if transposed else shape[0]) if len(shape) == 2 else None
+
+
+def _stream_input(graph: ir.Graph, signature: Signature) -> ir.Value:
+    """A pipeline-stage graph's float input that carries the stream."""
+    stream = signature.stream
+    if stream is None:
+        raise UserError("no token embedding found: expected Gather(embedding weight, input_ids), "
+                        "or a float graph input carrying the residual stream (a pipeline stage)")
+    return next(v for v in graph.inputs if v.name == stream.name)
+
+
+def _head(graph: ir.Graph, signature: Signature, last: ResidualAdd | None,
+          embedding: Embedding | None) -> tuple[Norm | None, LmHead | None]:
+    logits = next((v for v in graph.outputs if v.name == signature.logits.name), None)
+    node = logits.producer() if logits is not None else None
+    while node is not None and node.op_type in _HEAD_PASS_OPS:
+        node = node.inputs[0].producer()
+    if node is None or node.op_type not in ("MatMul", "Gemm", "MatMulNBits"):
+        return _final_norm_at(last), None
+    source, _ = _table(node.inputs[1]) if node.inputs[1] is not None else (None, False)
+    tied = embedding is not None and source is not None and source is embedding.table
+    head = LmHead(node, node.inputs[0], source, tied)
+    value = node.inputs[0]
+    while (producer := value.producer()) is not None and producer.op_type in _HEAD_PASS_OPS:
+        value = producer.inputs[0]
+    try:
+        return match_rmsnorm(value), head
+    except NoMatch:
+        return _final_norm_at(last), head
+
+
+def _final_norm_at(last: ResidualAdd | None) -> Norm | None:
+    """A Skip*Normalization that ends the stream (no output 3) is the final norm."""
+    if last is None or last.node.op_type != _SKIP_NORM:
+        return None
+    try:
+        return match_rmsnorm(last.node.outputs[0])
+    except NoMatch:
+        return None
+
+
+def _logits_vocab(signature: Signature) -> int | None:
+    return signature.logits.static(-1) if signature.outputs else None
+
+
+# ------------------------------------------------------------------------------------------ display
+
+
+_LAYER = re.compile(r"((?:model[./])?(?:layers|h|blocks)\.\d+)")
+
+
+def _layer_name(node: ir.Node | None) -> str | None:
+    """The source layer, from the dynamo exporter's name scopes or else the node name (Optimum, GenAI:
+    /model/layers.N/...); display only, names are not reliable."""
+    if node is None:
+        return None
+    scopes = node.metadata_props.get("pkg.torch.onnx.name_scopes")
+    if scopes:
+        try:
+            for scope in reversed(ast.literal_eval(scopes)):
+                if match := _LAYER.search(scope):
+                    return match.group(1)
+        except (ValueError, SyntaxError):
+            pass
+    if node.name and (match := _LAYER.search(node.name)):
+        return match.group(1).replace("model/", "model.")
+    return None
+
+
+def vocab_of(stream_start: ir.Value) -> int | None:
+    """Rows of the token-embedding table behind `stream_start` (a block's input), else the logits' last
+    dim (pipeline stages); None when neither is known."""
+    node = _root(stream_start).producer()
+    if node is not None and node.op_type in ("Gather", "GatherBlockQuantized"):
+        table, transposed = _table(node.inputs[0])
+        if table is not None:
+            return _vocab(node, table, transposed)
+    graph = stream_start.graph
+    if graph is None or not graph.outputs:
+        return None
+    logits = next((v for v in graph.outputs if v.name == "logits"), graph.outputs[0])
+    last = logits.shape[-1] if logits.shape is not None and logits.shape.rank() else None
+    return int(last) if isinstance(last, int) else None
