@@ -519,15 +519,12 @@ def _min_row_cosine(a: np.ndarray, b: np.ndarray) -> float:
 
 def onnxrt_runner(onnx_path: str | Path, name: str | None = None) -> Any:
     """A Polygraphy ONNX Runtime runner (CPU) that is safe for FP8 Q/DQ graphs (see passes.fp8)."""
-    import onnxruntime as ort
     from polygraphy.backend.onnxrt import OnnxrtRunner
 
-    from passes.fp8 import ORT_DISABLED_OPTIMIZERS
+    from passes.sessions import open_session
 
     def session() -> Any:
-        return ort.InferenceSession(
-            str(onnx_path), providers=["CPUExecutionProvider"], disabled_optimizers=ORT_DISABLED_OPTIMIZERS
-        )
+        return open_session(onnx_path)
 
     return OnnxrtRunner(session, name=name or f"onnxrt:{Path(onnx_path).name}")
 

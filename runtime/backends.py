@@ -25,9 +25,9 @@ from typing import Any, Protocol
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 
 from passes.errors import UserError
+from passes.sessions import open_session, providers_for
 
 ORT_DTYPES = {
     "tensor(float)": np.float32,
@@ -65,29 +65,6 @@ class Backend(Protocol):
 # ------------------------------------------------------------------------------------- ONNX Runtime
 
 
-def ort_providers(device: str = "cpu") -> list[str]:
-    """Execution providers for `device`: "cpu", "cuda" (error if unavailable) or "auto"."""
-    available = ort.get_available_providers()
-    if device == "cpu":
-        return ["CPUExecutionProvider"]
-    if "CUDAExecutionProvider" in available:
-        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
-    if device == "cuda":
-        raise UserError("the CUDA provider is not available: install onnxruntime-gpu on a machine with a GPU")
-    if device != "auto":
-        raise UserError(f"unknown device {device!r}; use cpu, cuda or auto")
-    return ["CPUExecutionProvider"]
-
-
-def session_options(threads: int | None = None) -> ort.SessionOptions:
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    if threads:
-        options.intra_op_num_threads = threads
-        options.inter_op_num_threads = 1
-    return options
-
-
 class OrtBackend:
     """An ONNX Runtime session over one ONNX file (external data is read beside it)."""
 
@@ -95,9 +72,7 @@ class OrtBackend:
         self.path = Path(path)
         if not self.path.is_file():
             raise UserError(f"model {self.path} does not exist")
-        self.session = ort.InferenceSession(
-            str(self.path), session_options(threads), providers=ort_providers(device)
-        )
+        self.session = open_session(self.path, threads=threads, providers=providers_for(device))
         self.name = f"onnxruntime:{self.session.get_providers()[0]}"
         self.inputs = [
             TensorInfo(i.name, tuple(i.shape), ORT_DTYPES.get(i.type, np.float32))

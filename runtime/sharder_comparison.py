@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from passes.sessions import open_session
 from runtime.peak_memory import Measured, measure
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
@@ -53,11 +54,7 @@ class Row:
 
 
 def _single_device(model: Path, ids: np.ndarray) -> np.ndarray:
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    session = ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
+    session = open_session(model, threads=1)
     return session.run(None, {"input_ids": ids})[0]
 
 

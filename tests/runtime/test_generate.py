@@ -9,7 +9,8 @@ import torch
 
 from exporters.llama import build_model
 from passes.errors import UserError
-from runtime.backends import OrtBackend, TpThreadsBackend, TrtBackend, ort_providers
+from passes.sessions import providers_for
+from runtime.backends import OrtBackend, TpThreadsBackend, TrtBackend
 from runtime.generate import DecodeModel, greedy_generate, left_pad
 
 PROMPTS = [[3, 17, 41, 8, 60, 22], [90, 5, 33]]  # different lengths: the batch is left-padded
@@ -92,7 +93,7 @@ def test_left_pad():
 
 
 def test_backends_without_gpu_say_what_is_missing(tiny_models, tmp_path):
-    assert ort_providers("cpu") == ["CPUExecutionProvider"]
+    assert providers_for("cpu") == ["CPUExecutionProvider"]
     assert OrtBackend(tiny_models("decode"), device="auto").name.startswith("onnxruntime:")
     if "CUDAExecutionProvider" not in __import__("onnxruntime").get_available_providers():
         with pytest.raises(UserError, match="onnxruntime-gpu"):
