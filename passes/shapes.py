@@ -298,8 +298,38 @@ SAME_SHAPE = {
 REDUCE = {"ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL2", "ReduceSumSquare"}
 
 
+def _filled(node: ir.Node, shape: Dims | None) -> Dims | None:
+    """The elements of a small integer ConstantOfShape (TorchScript builds expand shapes with it)."""
+    if shape is None or len(shape) != 1 or shape[0] is None or not shape[0].is_int:
+        return None
+    attr = node.attributes.get("value")
+    tensor = attr.value if attr is not None else None
+    if tensor is None or tensor.dtype not in (ir.DataType.INT64, ir.DataType.INT32):
+        return None if tensor is not None else (Dim(0),) * int(shape[0])
+    n = int(shape[0])
+    return (Dim(int(np.asarray(tensor.numpy()).reshape(-1)[0])),) * n if n <= _MAX_VALUE_ELEMENTS else None
+
+
+def _where_value(cond: Dims | None, a: Dims | None, b: Dims | None) -> Dims | None:
+    if cond is None or a is None or b is None:
+        return None
+    n = max(len(cond), len(a), len(b))
+    cond, a, b = (v * n if len(v) == 1 else v for v in (cond, a, b))
+    if not len(cond) == len(a) == len(b) or any(c is None or not c.is_int for c in cond):
+        return None
+    return tuple(x if int(c) else y for c, x, y in zip(cond, a, b, strict=True))
+
+
+def _equal(x: Dim, y: Dim) -> MaybeDim:
+    if x.is_int and y.is_int:
+        return Dim(int(x.coef == y.coef))
+    if (x.is_int and x.coef <= 0) or (y.is_int and y.coef <= 0):
+        return Dim(0)  # a symbolic dim is positive
+    return Dim(1) if x == y else None
+
+
 def _elementwise_value(op: str, a: Dims | None, b: Dims | None) -> Dims | None:
-    if a is None or b is None or op not in ("Add", "Sub", "Mul", "Div"):
+    if a is None or b is None or op not in ("Add", "Sub", "Mul", "Div", "Mod", "Equal"):
         return None
     if len(a) != len(b):
         if len(a) == 1:
@@ -316,6 +346,10 @@ def _elementwise_value(op: str, a: Dims | None, b: Dims | None) -> Dims | None:
             out.append(x * y)
         elif op == "Div":
             out.append(x // y if y.coef != 0 and y.divides(x) else None)
+        elif op == "Equal":
+            out.append(_equal(x, y))
+        elif op == "Mod":  # TorchScript computes Slice bounds of shape vectors with Mod
+            out.append(Dim(x.coef % y.coef) if x.is_int and y.is_int and y.coef else None)
         elif x.is_int and y.is_int:
             out.append(Dim(x.coef + y.coef if op == "Add" else x.coef - y.coef))
         else:
@@ -350,6 +384,8 @@ def infer_node(node: ir.Node, ins: Sequence[Info]) -> list[Info] | None:
         for s in shapes[1:]:
             out = broadcast(out, s)
         value = _elementwise_value(op, ins[0].value, ins[1].value) if len(ins) == 2 else None
+        if op == "Where" and len(ins) == 3:  # TorchScript's expand: Where(Equal(shape, -1), 1, shape)
+            value = _where_value(ins[0].value, ins[1].value, ins[2].value)
         return [Info(out, value)]
     if op == "Squeeze":
         axes = axes_from(node, ins, 1)
@@ -410,7 +446,8 @@ def infer_node(node: ir.Node, ins: Sequence[Info]) -> list[Info] | None:
         perm = node_attr(node, "perm", None) or list(range(len(x.shape)))[::-1]
         return [Info(tuple(x.shape[p] for p in perm))]
     if op == "Reshape":
-        return [Info(reshape_dims(x.shape, ins[1].value, bool(node_attr(node, "allowzero", 0))))]
+        shape = reshape_dims(x.shape, ins[1].value, bool(node_attr(node, "allowzero", 0)))
+        return [Info(shape, x.value)]  # a reshaped shape vector keeps its elements (TorchScript)
     if op == "Expand":
         target = ins[1].value
         if target is None or x.shape is None:
@@ -427,11 +464,22 @@ def infer_node(node: ir.Node, ins: Sequence[Info]) -> list[Info] | None:
         shape = tuple(ONE if k in axes else d for k, d in enumerate(x.shape) if keep or k not in axes)
         return [Info(shape)]
     if op == "ConstantOfShape":
-        return [Info(x.value)]
+        return [Info(x.value, _filled(node, x.value))]
     if op == "Range":
         return [Info((None,))]
     if op == "Split":
         return _split(node, x, ins)
+    if op == "Tile":  # TorchScript's repeat_interleave
+        repeats = ins[1].value if len(ins) > 1 else None
+        if x.shape is None or repeats is None or len(repeats) != len(x.shape):
+            return [UNKNOWN]
+        return [
+            Info(
+                tuple(
+                    None if d is None or r is None else d * r for d, r in zip(x.shape, repeats, strict=False)
+                )
+            )
+        ]
     if node.op_type in ATTENTION_OPS and node.domain in ("", "ai.onnx", "com.microsoft"):
         return attention_op(node, ins)
     return None

@@ -421,6 +421,8 @@ class _Rewriter:
         key = (id(producer), tuple(values))
         if key in self.concats:
             return self.concats[key]
+        if producer is not None and producer.op_type in ("Where", "Reshape", "Identity", "Cast"):
+            return self._shape_through(node, producer, values, world, key)
         if producer is None or producer.op_type != "Concat":
             raise UserError(
                 f"cannot rewrite the shape argument {value.name!r} of {node.op_type} {node.name!r}: "
@@ -462,6 +464,33 @@ class _Rewriter:
         self.graph.insert_before(node, concat)
         self.concats[key] = out
         return out
+
+    def _shape_through(
+        self, node: ir.Node, producer: ir.Node, values: list[int | None], world: RankWorld, key: tuple
+    ) -> ir.Value:
+        """A shape vector passed through Reshape/Identity/Cast, or TorchScript's expand idiom
+        Where(Equal(shape, -1), 1, shape): rewrite the vector inside and copy the node onto it."""
+        slot = 2 if producer.op_type == "Where" else 0
+        inner = producer.inputs[slot]
+        assert inner is not None
+        new = self._shape_value(node, inner, values, world)
+        if new is inner:
+            return producer.outputs[0]
+        inputs = [new if k == slot else v for k, v in enumerate(producer.inputs)]
+        out = producer.outputs[0]
+        n = len(self.concats)
+        copy = ir.Value(name=f"{out.name}_tp_rank{self.rank}_{n}", type=out.type, shape=out.shape)
+        clone = ir.Node(
+            producer.domain,
+            producer.op_type,
+            inputs,
+            attributes=list(producer.attributes.values()),
+            outputs=[copy],
+            name=f"{producer.name or producer.op_type}_tp_rank{self.rank}_{n}",
+        )
+        self.graph.insert_before(node, clone)
+        self.concats[key] = copy
+        return copy
 
     def _shape_const(self, ints: list[int]) -> ir.Value:
         key = tuple(ints)

@@ -119,7 +119,7 @@ class RankWorld:
         for node in self.full.graph:
             if any(o in self.seeds for o in node.outputs):
                 continue
-            forced = node.op_type == "Expand" and self.heads(node) is not None
+            forced = node.op_type in ("Expand", "Tile") and self.heads(node) is not None
             if not forced and not any(self.changed(v) for v in node.inputs):
                 continue
             outs = self._infer(node)
@@ -153,6 +153,8 @@ class RankWorld:
             return [self._reshape(node, ins)]
         if op == "Expand":
             return [self._expand(node, ins)]
+        if op == "Tile":
+            return [self._tile(node, ins)]
         if op in ("MatMul", "Gemm") and node not in self.row_nodes:
             full_k = contraction_dims(node, *(self.full.get(v).shape for v in node.inputs[:2]))
             rank_k = contraction_dims(node, ins[0].shape, ins[1].shape)
@@ -260,13 +262,13 @@ class RankWorld:
         naive = reshape_dims(ins[0].shape, target, allowzero)
         full_in, full_out = self.full.get(data).shape, self.full.get(node.outputs[0]).shape
         if not self.changed(data) or full_in is None or full_out is None or ins[0].shape is None:
-            return Info(naive)
+            return Info(naive, ins[0].value)
         intended = _intended_reshape(full_in, full_out, ins[0].shape, self.heads(node))
         if intended is None:
             shapes = f"{fmt_dims(full_in)} -> {fmt_dims(full_out)}"
             raise self._fail(node, f"reshapes {shapes} in a way the pass cannot map")
         if naive == intended:
-            return Info(naive)
+            return Info(naive, ins[0].value)
         if target is None:
             raise self._fail(node, "has a shape argument the pass cannot follow")
         values: list[int | None] = [None] * len(target)
@@ -282,6 +284,23 @@ class RankWorld:
             raise self._fail(node, f"cannot be rewritten to produce {fmt_dims(intended)}")
         self.rewrites.append(ShapeRewrite(node, 1, values))
         return Info(intended)
+
+    def _tile(self, node: ir.Node, ins: Sequence[Info]) -> Info:
+        """Tile over a size-1 axis repeats KV heads (TorchScript's repeat_interleave): as often as the
+        rank's query heads need."""
+        heads, x, repeats = self.heads(node), ins[0].shape, ins[1].value
+        if heads is None or x is None or repeats is None or len(repeats) != len(x):
+            return infer_node(node, ins)[0]  # type: ignore[index]
+        values: list[int | None] = [None] * len(repeats)
+        for k, (d, r) in enumerate(zip(x, repeats, strict=True)):
+            if d == ONE and r is not None and r.is_int and int(r) > 1:
+                new = heads.candidates(r, repeat=True)[0]
+                if new != r and new is not None:
+                    values[k] = int(new)
+        if any(v is not None for v in values):
+            self.rewrites.append(ShapeRewrite(node, 1, values))
+        fixed = tuple(Dim(v) if v is not None else r for v, r in zip(values, repeats, strict=True))
+        return infer_node(node, [ins[0], Info(ins[1].shape, fixed)])[0]  # type: ignore[index]
 
     def _expand(self, node: ir.Node, ins: Sequence[Info]) -> Info:
         data = node.inputs[0]
@@ -365,19 +384,23 @@ def _intended_reshape(
 
 
 def _map_group(dims: list[MaybeDim], want: MaybeDim, heads: HeadMap) -> list[MaybeDim] | None:
-    """The first assignment of head-mapped dims (outer axes first) whose product is `want`."""
+    """Head-mapped dims whose product is `want`: the fewest changed dims, outer axes first (so a
+    head_dim is never taken for a head count when changing the heads alone fits)."""
     if product(dims) == want:
         return dims
     if want is None:
         return None
 
-    def search(k: int, chosen: list[MaybeDim]) -> list[MaybeDim] | None:
+    def search(k: int, chosen: list[MaybeDim], changes: int) -> list[MaybeDim] | None:
         if k == len(dims):
-            return chosen if product(chosen) == want else None
+            return chosen if changes == 0 and product(chosen) == want else None
         for d in heads.candidates(dims[k]):
-            found = search(k + 1, [*chosen, d])
-            if found is not None:
+            left = changes - (d != dims[k])
+            if left >= 0 and (found := search(k + 1, [*chosen, d], left)) is not None:
                 return found
         return None
 
-    return search(0, [])
+    for changes in range(1, len(dims) + 1):
+        if (found := search(0, [], changes)) is not None:
+            return found
+    return None

@@ -56,7 +56,7 @@ class TpModels:
     unfused: Path  # 9 blocks, 4 attention: 13 all-reduces
     fused: Path  # groups (1,3) and (5,7): 9 all-reduces
     fused_fp8: Path  # the fused model with FP8 Q/DQ (per-channel weights, per-tensor activations)
-    gqa: Path  # 12 heads, 2 KV heads, vocab 250, untied lm_head: tp=2 splits KV, tp=4 replicates, tp=8 fails
+    gqa: Path  # 12 heads, 2 KV heads, vocab 250, untied lm_head: tp=2 splits KV, tp=4 replicates, tp=8 pads
     hf: Path  # transformers LlamaForCausalLM (own attention/mask pattern), 8/2 heads, FFN 100, biases
 
 
@@ -482,9 +482,18 @@ def test_decode_cache_roles_found_by_structure(decode_models) -> None:
 # ------------------------------------------------------------------------------------------ errors
 
 
+def test_gqa_heads_padded_at_tp8(models: TpModels, tmp_path: Path) -> None:
+    """12 heads / 2 KV heads at tp=8 (a UserError before): each KV head on 4 ranks, 6 queries -> 8."""
+    ids = tokens(seq=9)
+    report = shard_file(models.gqa, 8, tmp_path / "a", progress=False)
+    assert {(b.heads_per_rank, b.kv_heads_per_rank) for b in report.branches if b.kind == "attention"} == {
+        (2, 1)
+    }
+    error = relative_error(run_simulated(tmp_path / "a", ids), single_device(models.gqa, ids))
+    assert error <= TOLERANCE, f"tp=8: relative error {error:.2e}"
+
+
 def test_user_errors(models: TpModels, tmp_path: Path) -> None:
-    with pytest.raises(UserError, match="12 attention heads are not divisible by tp=8"):
-        shard_file(models.gqa, 8, tmp_path / "a", progress=False)
     with pytest.raises(UserError, match="--tp must be one of 1, 2, 4, 8"):
         shard_file(models.gqa, 3, tmp_path / "b", progress=False)
     report = shard_file(models.unfused, 2, tmp_path / "c", progress=False)
@@ -523,6 +532,6 @@ def test_cli_counts_and_shards(models: TpModels, tmp_path: Path) -> None:
         "rank1/model.onnx",
     ]
     bad = subprocess.run(
-        [*tool, str(models.gqa), "--tp", "8", "--out", str(tmp_path / "x")], capture_output=True, text=True
+        [*tool, str(models.gqa), "--tp", "3", "--out", str(tmp_path / "x")], capture_output=True, text=True
     )
-    assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "not divisible" in bad.stderr
+    assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "--tp must be one of" in bad.stderr

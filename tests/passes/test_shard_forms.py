@@ -1,0 +1,159 @@
+"""Sharding graphs the project did not write (tests/shard_forms.py) and head counts no tp divides.
+
+Each graph has SmolLM2's heads (9 query heads, 3 KV heads); tp=2, 4 and 8 pad them with zero heads
+(passes.shard_plan), which must be exact: the rank graphs, run in one process (runtime.tp.run_simulated),
+give the single-device logits, and those match an independent float64 torch run of the same model.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+
+from passes.errors import UserError
+from passes.graph import NoMatch
+from passes.patterns.attention import match_attention
+from passes.shard import shard_file
+from passes.shard_graph import find_structure
+from passes.shard_plan import PAD, HeadPlan, head_columns
+from runtime.tp import relative_error, run_simulated
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.append(str(ROOT / "tests"))  # appended, so that tests/passes does not shadow the package
+import shard_forms  # noqa: E402
+
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="session")
+def form(tmp_path_factory: pytest.TempPathFactory):
+    base = tmp_path_factory.getbasetemp()
+    return lambda name: shard_forms.forms_model(base, name)
+
+
+def tokens(seq: int = 7, batch: int = 2, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, shard_forms.VOCAB, (batch, seq)).astype(np.int64)
+
+
+def single_device(model: Path, ids: np.ndarray) -> np.ndarray:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    session = ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
+    return session.run(None, {"input_ids": ids})[0]
+
+
+# ------------------------------------------------------------------------------------------ planning
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (12, 2), (8, 1), (8, 8), (6, 6), (15, 5)])
+def test_head_plan_covers_every_head_once(heads: int, kv_heads: int, tp: int) -> None:
+    plan = HeadPlan(heads, kv_heads, tp)
+    queries = [h for r in range(tp) for h in plan.q_sources(r)]
+    assert len(queries) == plan.heads_per_rank * tp >= heads
+    assert sorted(h for h in queries if h is not None) == list(range(heads))  # each real head once
+    for rank in range(tp):
+        kv = plan.kv_sources(rank)
+        assert len(kv) == plan.kv_per_rank
+        group = plan.group_per_rank
+        for i, h in enumerate(plan.q_sources(rank)):  # a query head sits with the KV head it uses
+            if h is not None:
+                assert kv[i // group] == h // (heads // kv_heads)
+
+
+def test_smollm2_head_layouts() -> None:
+    # tp=2: 3 KV heads padded to 4 slots, 2 per rank; tp=8: 4 slots on 2 ranks each, 3 queries -> 4
+    assert [(HeadPlan(9, 3, tp).heads_per_rank, HeadPlan(9, 3, tp).kv_per_rank) for tp in (2, 4, 8)] == [
+        (6, 2),
+        (3, 1),
+        (2, 1),
+    ]
+    assert HeadPlan(9, 3, 2).q_sources(1) == [6, 7, 8, None, None, None]
+    assert HeadPlan(9, 3, 8).q_sources(5) == [8, None] and HeadPlan(9, 3, 8).kv_sources(7) == [None]
+    assert head_columns([1, None], 2) == [2, 3, PAD, PAD]
+
+
+# ------------------------------------------------------------------------------------------ recognizer
+
+
+RECORDS = {  # form: (form, mask, IsNaN guard, packed)
+    "dynamo_where": ("decomposed", "where", True, False),
+    "dynamo_repeat": ("decomposed", "additive", False, False),
+    "dynamo_packed": ("decomposed", "where", True, True),
+    "opset23_attention": ("Attention", "causal", False, False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RECORDS))
+def test_attention_records(form, name: str) -> None:
+    model = ir.load(form(name))
+    records = []
+    for branch in find_structure(model).attention:
+        add = branch.residual
+        value = add.inputs[1] if add.inputs[0] is branch.stream else add.inputs[0]
+        records.append(match_attention(value, branch.stream))
+    assert len(records) == 2
+    for r in records:
+        assert (r.heads, r.kv_heads, r.head_dim, r.group) == (9, 3, 8, 3)
+        assert (r.form, r.mask, r.nan_guard, r.packed) == RECORDS[name]
+        assert r.rotary == "decomposed" and r.caches == ()
+        assert r.q.out_features == 72 and r.k.out_features == r.v.out_features == 24
+
+
+def test_recognizer_refuses_an_ffn(form) -> None:
+    model = ir.load(form("dynamo_where"))
+    ffn = find_structure(model).ffns[0]
+    add = ffn.residual
+    with pytest.raises(NoMatch, match="Softmax"):
+        match_attention(add.inputs[1] if add.inputs[0] is ffn.stream else add.inputs[0], ffn.stream)
+
+
+# ------------------------------------------------------------------------------------------ numerics
+
+
+@pytest.mark.parametrize("name", ["dynamo_where", "dynamo_repeat", "opset23_attention"])
+def test_forms_shard_exactly_at_any_tp(form, tmp_path: Path, name: str) -> None:
+    model = form(name)
+    ids = tokens()
+    want = single_device(model, ids)
+    attention = shard_forms.FORMS[name][0]
+    reference = shard_forms.torch_logits(attention, ids)
+    assert relative_error(want, reference) <= TOLERANCE  # the export is the model
+    for tp in (2, 4, 8):
+        report = shard_file(model, tp, tmp_path / f"tp{tp}", progress=False)
+        assert report.allreduces_per_forward == 5
+        assert {b.heads_per_rank for b in report.branches if b.kind == "attention"} == {
+            HeadPlan(9, 3, tp).heads_per_rank
+        }
+        error = relative_error(run_simulated(tmp_path / f"tp{tp}", ids), want)
+        assert error <= TOLERANCE, f"{name} tp={tp}: relative error {error:.2e}"
+
+
+def test_fused_attention_op_gets_rank_heads(form, tmp_path: Path) -> None:
+    report = shard_file(form("opset23_attention"), 8, tmp_path / "tp8", progress=False)
+    rank = ir.load(report.rank_files[3])
+    ops = [n for n in rank.graph if n.op_type == "Attention"]
+    assert len(ops) == 2
+    assert all(n.attributes["q_num_heads"].value == 2 for n in ops if "q_num_heads" in n.attributes)
+
+
+# ------------------------------------------------------------------------------------------ errors
+
+
+def test_unshardable_graph_is_one_line_error(form, tmp_path: Path) -> None:
+    """A packed qkv projection split on the sharded axis is refused with one line, exit 2, no output."""
+    with pytest.raises(UserError, match="Split node .* works along a sharded axis"):
+        shard_file(form("dynamo_packed"), 2, tmp_path / "a", progress=False)
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "shard_tp.py"), str(form("dynamo_packed")), "--tp", "4",
+         "--out", str(tmp_path / "b")],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert run.returncode == 2 and run.stderr.startswith("error: ") and run.stderr.count("\n") == 1
+    assert not (tmp_path / "b" / "tp.json").exists()

@@ -1,0 +1,159 @@
+"""Small Llama graphs in the attention and export forms other exporters write (for the sharding tests).
+
+Each is the hand-written exporters/llama.py model with another attention body, exported by torch.onnx
+(dynamo at opset 18 or 23, or TorchScript at opset 17), or the TorchScript export run through ONNX
+Runtime's transformers optimizer. Heads are SmolLM2's (9 query heads, 3 KV heads) at head_dim 8, so no
+tp in {2, 4, 8} divides them. Built once per session under the pytest base temp (`forms_model`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+# blocks: attention + FFN, attention-free FFN, attention + FFN (widths 40, 36, 44: 8 divides none)
+FORM_BLOCKS = ((True, 40), (False, 36), (True, 44))
+VOCAB = 96
+
+
+def forms_spec():
+    from exporters.spec import BlockSpec, ModelSpec
+
+    blocks = [BlockSpec(attention=a, ffn_width=w) for a, w in FORM_BLOCKS]
+    return ModelSpec(hidden=72, heads=9, kv_heads=3, vocab=VOCAB, blocks=blocks, tie_embeddings=False)
+
+
+def _attention_classes():
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    from exporters.llama import Attention, rotate_half
+
+    class WhereMask(Attention):
+        """HF/Optimum style: repeat_kv by Expand + Reshape, mask by masked_fill (Where), IsNaN guard."""
+
+        def attend(self, q, k, v, mask):
+            b, kv, s, d = k.shape
+            group = self.heads // self.kv_heads
+            k = k[:, :, None].expand(b, kv, group, s, d).reshape(b, self.heads, s, d)
+            v = v[:, :, None].expand(b, kv, group, s, d).reshape(b, self.heads, s, d)
+            scores = torch.matmul(q, k.transpose(-1, -2)) / (self.head_dim**0.5)
+            scores = scores.masked_fill(mask != 0, float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+            probs = torch.where(torch.isnan(probs), torch.zeros_like(probs), probs)
+            out = torch.matmul(probs, v).transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
+            return self.o_proj(out)
+
+    class RepeatInterleave(Attention):
+        """GQA by repeat_interleave, additive mask."""
+
+        def attend(self, q, k, v, mask):
+            group = self.heads // self.kv_heads
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+            probs = torch.softmax(torch.matmul(q, k.transpose(-1, -2)) * self.head_dim**-0.5 + mask, dim=-1)
+            out = torch.matmul(probs, v).transpose(1, 2)
+            return self.o_proj(out.reshape(out.shape[0], out.shape[1], -1))
+
+    class Sdpa(Attention):
+        """F.scaled_dot_product_attention with GQA: the Attention op at opset 23."""
+
+        def attend(self, q, k, v, mask):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            out = out.transpose(1, 2)
+            return self.o_proj(out.reshape(out.shape[0], out.shape[1], -1))
+
+    class PackedQkv(WhereMask):
+        """One qkv projection split on the last axis (Phi-3 style)."""
+
+        def __init__(self, spec) -> None:
+            super().__init__(spec)
+            q, k = self.q_proj, self.k_proj
+            self.qkv_proj = nn.Linear(spec.hidden, q.out_features + 2 * k.out_features, bias=False)
+            del self.q_proj, self.k_proj, self.v_proj
+
+        def project(self, x, cos, sin):
+            q_cols, kv_cols = self.heads * self.head_dim, self.kv_heads * self.head_dim
+            q, k, v = self.qkv_proj(x).split([q_cols, kv_cols, kv_cols], dim=-1)
+            q = q.unflatten(-1, (self.heads, self.head_dim)).transpose(1, 2)
+            k = k.unflatten(-1, (self.kv_heads, self.head_dim)).transpose(1, 2)
+            v = v.unflatten(-1, (self.kv_heads, self.head_dim)).transpose(1, 2)
+            return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
+    return {"where": WhereMask, "repeat": RepeatInterleave, "sdpa": Sdpa, "packed": PackedQkv}
+
+
+# name -> (attention class, exporter, opset)
+FORMS = {
+    "dynamo_where": ("where", "dynamo", 18),
+    "dynamo_repeat": ("repeat", "dynamo", 18),
+    "dynamo_packed": ("packed", "dynamo", 18),
+    "opset23_attention": ("sdpa", "dynamo", 23),
+    "torchscript": ("where", "torchscript", 17),
+    "torchscript_repeat": ("repeat", "torchscript", 17),
+    "ort_optimized": ("where", "ort_optimizer", 17),
+}
+
+
+def build_torch(attention: str, seed: int = 4):
+    from exporters.llama import DecoderBlock, build_model
+
+    cls = _attention_classes()[attention]
+    original = DecoderBlock.attention_class
+    DecoderBlock.attention_class = cls
+    try:
+        return build_model(forms_spec(), seed)
+    finally:
+        DecoderBlock.attention_class = original
+
+
+def export_form(name: str, path: Path) -> Path:
+    import torch
+
+    from exporters.onnx_export import export_onnx, quiet_export
+
+    attention, exporter, opset = FORMS[name]
+    model = build_torch(attention)
+    if exporter == "dynamo":
+        export_onnx(model, path, opset=opset, external_data_threshold=1 << 40)
+        return path
+    raw = path.with_name(path.stem + ".ts.onnx") if exporter == "ort_optimizer" else path
+    with quiet_export(), torch.no_grad():
+        torch.onnx.export(
+            model,
+            (torch.zeros((2, 8), dtype=torch.int64),),
+            str(raw),
+            dynamo=False,
+            opset_version=opset,
+            input_names=["input_ids"],
+            output_names=["logits"],
+            dynamic_axes={"input_ids": {0: "batch", 1: "seq"}, "logits": {0: "batch", 1: "seq"}},
+        )
+    if exporter == "ort_optimizer":
+        from onnxruntime.transformers.optimizer import optimize_model
+
+        spec = forms_spec()
+        optimized = optimize_model(
+            str(raw), model_type="gpt2", num_heads=spec.heads, hidden_size=spec.hidden, opt_level=0
+        )
+        optimized.save_model_to_file(str(path))
+    return path
+
+
+def forms_model(base: Path, name: str) -> Path:
+    """The graph `name` of FORMS, exported once under `base`."""
+    path = base / "shard_forms" / f"{name}.onnx"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        export_form(name, path)
+    return path
+
+
+def torch_logits(attention: str, ids: np.ndarray) -> np.ndarray:
+    """The same model in torch (float64), an independent reference for the exported graphs."""
+    import torch
+
+    model = build_torch(attention).double()
+    with torch.no_grad():
+        return model(torch.from_numpy(ids)).numpy()
