@@ -1,9 +1,11 @@
 """Greedy generation with a KV cache over any runtime.backends backend.
 
 The graph conventions are those of exporters/decode.py: inputs input_ids, attention_mask and
-past_key_<L>/past_value_<L>; outputs logits and present_key_<L>/present_value_<L>. A graph with only
-`input_ids` (a prefill-only export) also works: every step then re-runs the whole sequence (no cache,
-equal-length prompts only).
+past_key_<L>/past_value_<L>; outputs logits and present_key_<L>/present_value_<L>. What each input means
+comes from passes.graph_inputs, so Optimum / ONNX Runtime GenAI graphs (past_key_values.N.key|value ->
+present.N.key|value, position_ids) run too; position_ids are fed as cumsum(attention_mask) - 1. A graph
+without cache inputs (a prefill-only export) also works: every step then re-runs the whole sequence (no
+cache, equal-length prompts only unless it takes an attention_mask).
 
 Batches: prompts of different lengths are LEFT-padded (pad id, attention_mask 0); the decode graph
 computes each row's positions from its mask, so a padded row generates what it would alone.
@@ -21,14 +23,11 @@ from pathlib import Path
 import numpy as np
 
 from passes.errors import UserError
+from passes.graph_inputs import Role, Signature
 from runtime.backends import Backend, TensorInfo, open_backend
 
 MASK_INPUT = "attention_mask"
 IDS_INPUT = "input_ids"
-
-
-def _present_name(past_name: str) -> str:
-    return "present_" + past_name.removeprefix("past_")
 
 
 class DecodeModel:
@@ -37,17 +36,28 @@ class DecodeModel:
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
         names = [i.name for i in backend.inputs]
-        if IDS_INPUT not in names:
+        self.signature = Signature.build(
+            [(i.name, np.dtype(i.dtype), i.shape) for i in backend.inputs],
+            [(name, np.dtype(np.float32), ()) for name in backend.outputs],
+        )
+        roles = {i.name: i for i in self.signature.inputs}
+        if self.signature.ids is None:
             raise UserError(f"{backend.name}: the graph has no input_ids input (inputs: {names})")
-        self.past: list[TensorInfo] = [i for i in backend.inputs if i.name.startswith("past_")]
-        missing = [_present_name(p.name) for p in self.past if _present_name(p.name) not in backend.outputs]
+        unknown = [n for n in names if roles[n].role not in (Role.IDS, Role.MASK, Role.POSITIONS, Role.PAST)]
+        if unknown:
+            raise UserError(f"{backend.name}: cannot feed graph inputs {unknown} (not token ids, "
+                            "attention_mask, position_ids or a KV cache)")
+        self.past: list[TensorInfo] = [i for i in backend.inputs if roles[i.name].role is Role.PAST]
+        self.present = {p.name: self.signature.present_for(p.name) for p in self.past}
+        missing = [name for name, present in self.present.items() if present is None]
         if missing:
-            raise UserError(f"{backend.name}: cache outputs missing: {missing}")
-        self.has_mask = MASK_INPUT in names
-        self.cached = self.has_mask
+            raise UserError(f"{backend.name}: no cache outputs for {missing}")
+        self.roles = {i.role: i for i in self.signature.inputs}
+        self.has_mask = Role.MASK in self.roles
+        self.cached = bool(self.past)
         if self.past and not self.has_mask:
             raise UserError(f"{backend.name}: a graph with past inputs needs an attention_mask input")
-        self.logits_name = "logits" if "logits" in backend.outputs else backend.outputs[0]
+        self.logits_name = self.signature.logits.name
 
     @classmethod
     def open(cls, target: str | Path, **kwargs) -> DecodeModel:
@@ -55,7 +65,7 @@ class DecodeModel:
 
     @property
     def cache_layers(self) -> list[int]:
-        return [int(p.name.rsplit("_", 1)[1]) for p in self.past if p.name.startswith("past_key_")]
+        return [i.layer for i in self.signature.cache_inputs if i.kind == "key" and i.layer is not None]
 
     def empty_cache(self, batch: int) -> dict[str, np.ndarray]:
         cache = {}
@@ -73,13 +83,19 @@ class DecodeModel:
         self, ids: np.ndarray, mask: np.ndarray | None, cache: dict[str, np.ndarray] | None
     ) -> tuple[np.ndarray, dict[str, np.ndarray] | None]:
         """Logits [batch, seq, vocab] for `ids` after `cache`; the cache grown by `ids` (None uncached)."""
-        feeds = {IDS_INPUT: np.ascontiguousarray(ids, dtype=np.int64)}
-        if self.has_mask:
-            feeds[MASK_INPUT] = np.ascontiguousarray(mask, dtype=np.int64)
+        values = {Role.IDS: ids, Role.MASK: mask}
+        if Role.POSITIONS in self.roles:  # as Hugging Face generation: each row counts its own tokens
+            full = np.ones_like(ids) if mask is None else np.asarray(mask)
+            values[Role.POSITIONS] = np.maximum(np.cumsum(full, axis=1) - 1, 0)[:, -np.shape(ids)[1] :]
+        feeds = {
+            self.roles[role].name: np.ascontiguousarray(value, dtype=self.roles[role].dtype)
+            for role, value in values.items()
+            if role in self.roles
+        }
         if cache is not None:
             feeds.update(cache)
         out = self.backend.run(feeds)
-        new_cache = {p.name: out[_present_name(p.name)] for p in self.past} if self.cached else None
+        new_cache = {p.name: out[self.present[p.name]] for p in self.past} if self.cached else None
         return out[self.logits_name], new_cache
 
 

@@ -38,6 +38,7 @@ class GenerationFailed(Exception):
 
 def create_app(served: ServedModel, max_batch: int = 8, max_queue: int = 64) -> FastAPI:
     metrics = Metrics()
+    max_batch = min(max_batch, served.max_batch or max_batch)  # an engine's profile may allow fewer
     scheduler = Scheduler(runner_for(served.model), max_batch, max_queue, metrics)
 
     @asynccontextmanager
@@ -177,6 +178,11 @@ class _Api:
         wanted = body.max_tokens or getattr(body, "max_completion_tokens", None)
         if wanted is None:
             wanted = 16 if isinstance(body, CompletionRequest) else context - len(prompt)
+        limit = self.served.max_prompt
+        if limit is not None and len(prompt) > limit:
+            raise ApiError(
+                400, f"the prompt has {len(prompt)} tokens; this engine takes at most {limit}", param="prompt"
+            )
         if len(prompt) + wanted > context:
             raise ApiError(
                 400,

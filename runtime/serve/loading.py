@@ -48,6 +48,8 @@ class ServedModel:
     max_context: int
     source: ModelSource
     created: int
+    max_batch: int | None = None  # a TensorRT engine's profile bounds the batch ...
+    max_prompt: int | None = None  # ... and the tokens of one call (the prefill)
 
     @property
     def vocab(self) -> int | None:
@@ -134,15 +136,39 @@ def load(
     tokenizer = load_tokenizer(source.folder, model.backend.vocab)
     config = _read_json(source.folder / "config.json")
     genai = _read_json(source.folder / "genai_config.json").get("model", {})
-    context = max_context or config.get("max_position_embeddings") or genai.get("context_length")
+    context = int(max_context or config.get("max_position_embeddings") or genai.get("context_length") or 0)
+    limits = engine_limits(source.target) if source.backend == "tensorrt" else EngineLimits()
+    if limits.total:
+        context = min(context, limits.total) if context else limits.total
     return ServedModel(
         id=name or (Path(target).stem if Path(target).is_file() else Path(target).resolve().name),
         model=model,
         tokenizer=tokenizer,
         eos_ids=eos_ids(source.folder, tokenizer, genai),
-        max_context=int(context or DEFAULT_CONTEXT),
+        max_context=context or DEFAULT_CONTEXT,
         source=source,
         created=int(time.time()),
+        max_batch=limits.batch,
+        max_prompt=limits.seq,
+    )
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    batch: int | None = None
+    seq: int | None = None  # input_ids tokens per call
+    total: int | None = None  # past + new tokens (attention_mask length)
+
+
+def engine_limits(engine: Path) -> EngineLimits:
+    """The bounds of a TensorRT engine's optimization profile, from its sidecar <engine>.json
+    (exporters.tensorrt_engine): max batch and sequence of input_ids, max length of attention_mask."""
+    profile = _read_json(engine.with_name(engine.name + ".json")).get("profile") or {}
+    ids, mask = profile.get("input_ids", {}).get("max"), profile.get("attention_mask", {}).get("max")
+    return EngineLimits(
+        batch=int(ids[0]) if ids else None,
+        seq=int(ids[1]) if ids and len(ids) > 1 else None,
+        total=int(mask[1]) if mask and len(mask) > 1 else None,
     )
 
 

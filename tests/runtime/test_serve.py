@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import json
 import random
 import socket
 import subprocess
@@ -410,8 +411,16 @@ def test_model_resolution(tmp_path_factory, tmp_path):
     engines = tmp_path / "engines"
     engines.mkdir()
     (engines / "model.engine").write_bytes(b"")
-    (engines / "model.engine.json").write_text("{}")
+    profile = {
+        "input_ids": {"min": [1, 1], "opt": [4, 64], "max": [4, 256]},
+        "attention_mask": {"min": [1, 1], "opt": [4, 128], "max": [4, 1024]},
+    }
+    (engines / "model.engine.json").write_text(json.dumps({"profile": profile}))
     assert loading.resolve(engines) == loading.ModelSource("tensorrt", engines / "model.engine", engines)
+    assert loading.engine_limits(engines / "model.engine") == loading.EngineLimits(4, 256, 1024)
+    if not torch.cuda.is_available():  # TensorRT runs on GPUs only: one clear error, no traceback
+        with pytest.raises(loading.UserError):
+            loading.load(engines)
     (engines / "model_fp8.onnx").write_bytes(b"")
     assert loading.resolve(engines, "tensorrt").backend == "tensorrt"
     assert loading.resolve(engines, "ort").target == engines / "model_fp8.onnx"

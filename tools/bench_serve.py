@@ -1,0 +1,88 @@
+"""Serving benchmark: TTFT, inter-token latency p50/p90/p99 and output tokens/s of one or two OpenAI-API
+servers at several concurrencies, the servers measured alternately in one run (runtime/serve/bench.py).
+
+    python tools/bench_serve.py http://127.0.0.1:8000 http://127.0.0.1:8001 \\
+        --concurrency 1 2 4 8 --requests 32 [--labels original fused] [--max-tokens 32] \\
+        [--prompt-words 48] [--rounds 2] --out bench_serve/
+
+Writes DIR/bench_serve.json, DIR/bench_serve.md and DIR/bench_serve.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from passes.errors import UserError, run_cli
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("urls", nargs="+", metavar="URL", help="server base URL(s), e.g. http://127.0.0.1:8000")
+    p.add_argument("--labels", nargs="+", default=None, help="names of the servers (default: original fused)")
+    p.add_argument("--model", nargs="+", default=None, help="model id per server (default: its first model)")
+    p.add_argument("--concurrency", nargs="+", type=int, default=[1, 2, 4, 8])
+    p.add_argument("--requests", type=int, default=32, help="requests per server and concurrency")
+    p.add_argument("--max-tokens", type=int, default=32, help="output tokens per request (default 32)")
+    p.add_argument("--prompt-words", type=int, default=48, help="words per prompt (default 48)")
+    p.add_argument("--rounds", type=int, default=2, help="turns per server and concurrency, ABBA (default 2)")
+    p.add_argument("--warmup", type=int, default=2, help="warm-up requests per server (default 2)")
+    p.add_argument("--out", type=Path, default=Path("bench_serve"), help="output folder")
+    return p.parse_args(argv)
+
+
+def check(args: argparse.Namespace) -> list:
+    from runtime.serve.bench import Target
+
+    if len(args.urls) > 2:
+        raise UserError("give one or two server URLs (original, then fused)")
+    labels = args.labels or ["original", "fused"][: len(args.urls)]
+    models = args.model or [""] * len(args.urls)
+    if len(labels) != len(args.urls) or len(models) != len(args.urls) or len(set(labels)) != len(labels):
+        raise UserError("--labels and --model need one distinct entry per URL")
+    for url in args.urls:
+        if not url.startswith(("http://", "https://")):
+            raise UserError(f"{url!r} is not an http(s) URL; e.g. http://127.0.0.1:8000")
+    numbers = {
+        "--requests": [args.requests],
+        "--max-tokens": [args.max_tokens],
+        "--rounds": [args.rounds],
+        "--prompt-words": [args.prompt_words],
+        "--concurrency": args.concurrency,
+    }
+    for flag, values in numbers.items():
+        if any(v < 1 for v in values):
+            raise UserError(f"{flag} must be at least 1")
+    if args.requests < args.rounds:
+        raise UserError("--requests must be at least --rounds")
+    return [Target(label, url, model) for label, url, model in zip(labels, args.urls, models, strict=True)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    targets = check(args)
+    from runtime.serve import bench
+
+    data = bench.run(
+        targets,
+        sorted(set(args.concurrency)),
+        args.requests,
+        args.max_tokens,
+        args.prompt_words,
+        args.rounds,
+        args.warmup,
+        log=lambda line: print(line, file=sys.stderr, flush=True),
+    )
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench_serve.json").write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    (args.out / "bench_serve.md").write_text(bench.markdown(data), encoding="utf-8")
+    bench.plot(data, args.out / "bench_serve.png")
+    print(bench.markdown(data))
+    print(f"wrote {args.out}/bench_serve.json, .md, .png", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)
