@@ -119,6 +119,8 @@ class Signature:
             return value.name, _np_dtype(tensor.elem_type), dims
 
         ins = [info(v) for v in proto.graph.input if v.name not in initializers]
+        head_dims = _fused_cache_head_dims(proto)
+        ins = [(n, t, _with_head_dim(d, head_dims.get(n))) for n, t, d in ins]
         return cls.build(ins, [info(v) for v in proto.graph.output])
 
     @classmethod
@@ -249,6 +251,43 @@ class Signature:
             return np.asarray(stream, dtype)
         raise FeedError(f"cannot feed graph input {graph_input.name!r} (shape {graph_input.dims}): "
                         "not token ids, attention_mask, position_ids or a KV cache")
+
+
+def _with_head_dim(dims: tuple[Dim, ...], head_dim: int | None) -> tuple[Dim, ...]:
+    if head_dim is None or len(dims) != 4 or isinstance(dims[3], int):
+        return dims
+    return (*dims[:3], head_dim)
+
+
+def _fused_cache_head_dims(proto: onnx.ModelProto) -> dict[str, int]:
+    """Head dims of the past inputs of ORT's GroupQueryAttention, which GenAI's builder declares symbolic
+    ("kv_cache_dim"): from the q (or packed qkv) projection's output width and the op's head counts."""
+    producers = {out: node for node in proto.graph.node for out in node.output}
+    shapes = {t.name: list(t.dims) for t in proto.graph.initializer}
+    found: dict[str, int] = {}
+    for node in proto.graph.node:
+        if node.op_type != "GroupQueryAttention" or len(node.input) < 5:
+            continue
+        attrs = {a.name: a.i for a in node.attribute}
+        heads, kv_heads = attrs.get("num_heads", 0), attrs.get("kv_num_heads", 0)
+        packed = len(node.input) < 2 or not node.input[1]
+        width = _linear_width(producers.get(node.input[0]), shapes)
+        divisor = heads + 2 * kv_heads if packed else heads
+        if width and divisor and width % divisor == 0:
+            for name in node.input[3:5]:
+                found[name] = width // divisor
+    return found
+
+
+def _linear_width(node: onnx.NodeProto | None, shapes: dict[str, list[int]]) -> int | None:
+    """Output features of a MatMul with a constant [in, out] weight, or of a MatMulNBits."""
+    if node is None:
+        return None
+    if node.op_type == "MatMulNBits":
+        return next((a.i for a in node.attribute if a.name == "N"), None)
+    if node.op_type == "MatMul" and len(shapes.get(node.input[1], [])) == 2:
+        return shapes[node.input[1]][1]
+    return None
 
 
 def _input(index: int, name: str, dtype: np.dtype, dims: tuple[Dim, ...]) -> GraphInput:
