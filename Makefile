@@ -20,6 +20,14 @@ $(STAMP): pyproject.toml
 test: setup
 	$(PY) -m pytest -q
 
+# Optimum needs transformers < 4.58 (DESIGN 5): its own venv, for the third-party export corpus (tests/corpus.py).
+OPTIMUM_STAMP := .venv-optimum/.installed
+.PHONY: optimum-venv
+optimum-venv: $(OPTIMUM_STAMP)
+$(OPTIMUM_STAMP): | $(STAMP)
+	$(PY) -c "from exporters.third_party import ensure_optimum_venv; ensure_optimum_venv()"
+test: optimum-venv
+
 lint: setup
 	.venv/bin/ruff check .
 
