@@ -10,6 +10,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
+from torch_reference import parallel_model  # tests/torch_reference.py
 
 from passes.blocks import find_blocks
 from passes.model_io import load_model
@@ -19,36 +20,10 @@ from passes.plan import Plan
 SMOLLM2_GROUPS = ((13, 17), (18, 21))
 
 
-class ParallelGroup(torch.nn.Module):
-    """Layers i..j of a group as one parallel step: x + sum_k mlp_k(norm(x))."""
-
-    def __init__(self, layers: list[torch.nn.Module], mode: str):
-        super().__init__()
-        self.group, self.mode = torch.nn.ModuleList(layers), mode
-
-    def forward(self, hidden_states, *args, **kwargs):
-        out = hidden_states
-        for layer in self.group:
-            norm = (self.group[-1] if self.mode == "last" else layer).post_attention_layernorm
-            out = out + layer.mlp(norm(hidden_states))
-        return out
-
-
-class Passthrough(torch.nn.Module):
-    def forward(self, hidden_states, *args, **kwargs):
-        return hidden_states
-
-
 def torch_parallel_logits(groups, mode: str, ids: np.ndarray) -> np.ndarray:
     from exporters import smollm2
 
-    model = smollm2.load_pruned(range(13, 23))
-    layers = model.model.layers
-    for first, last in groups:
-        group = [layers[k] for k in range(first, last + 1)]
-        layers[first] = ParallelGroup(group, mode)
-        for k in range(first + 1, last + 1):
-            layers[k] = Passthrough()
+    model = parallel_model(smollm2.load_pruned(range(13, 23)), groups, mode)
     with torch.no_grad():
         return model(input_ids=torch.from_numpy(ids), use_cache=False).logits.numpy()
 
