@@ -1,14 +1,15 @@
 """Tensor-parallel roles of a Llama-family graph, recognized by structure (passes.shard uses them).
 
-The residual stream is walked from the token embedding: every `Add(stream, branch)` whose branch ends in
-a linear layer (MatMul/Gemm with a constant weight, possibly behind DequantizeLinear/Transpose/Cast)
-closes one residual branch. In a branch, the first linear layers (those reading the normalized stream,
-not the output of another linear layer) are column-parallel, the last one is row-parallel and gets the
-all-reduce. A branch with a Softmax is attention: its three first projections are told apart by where
-they enter the core (scores = q @ k^T, context = probs @ v); head counts come from the shapes of the
-Reshape after each projection. Anything else is an FFN (SwiGLU, or any branch of equal-width column
-layers), including a fused wide FFN.
-"""
+The residual stream is followed from the token embedding (passes.model_map.find_embedding) through its
+Cast/Identity copies (passes.model_map.aliases): every Add(stream, branch), or ORT's
+SkipSimplifiedLayerNormalization (input 1 the branch, output 3 the new stream, output 0 what the next
+branch reads), whose branch ends in a linear layer closes one residual branch. Unlike the model map this
+walk accepts any branch that ends in a linear layer (FP8 Q/DQ and biased FFNs included), since each
+needs its all-reduce. In a branch, the first linear layers (those reading the normalized stream, not the
+output of another linear layer) are column-parallel, the last one is row-parallel and gets the
+all-reduce. An attention branch's q/k/v (or packed qkv), heads, KV heads and caches come from the
+attention recognizer (passes.patterns.attention); anything else is an FFN (SwiGLU, or any branch of
+equal-width column layers), including a fused wide FFN."""
 
 from __future__ import annotations
 
@@ -18,14 +19,15 @@ import onnx_ir as ir
 
 from passes.errors import UserError
 from passes.graph import NoMatch
-from passes.patterns.attention import Attention, match_attention
-from passes.shapes import World, align, product
+from passes.model_map import aliases, find_embedding
+from passes.patterns.attention import Attention, branch_nodes, match_attention
+from passes.shapes import World
 
 WEIGHT_CHAIN_OPS = ("Transpose", "Cast", "Identity", "DequantizeLinear")
 LINEAR_OPS = ("MatMul", "Gemm")
+# ORT's fused residual add + norm: input 0 the stream, input 1 the branch; output 0 normalized, 3 the sum
+SKIP_NORMS = ("SkipSimplifiedLayerNormalization", "SkipLayerNormalization")
 FUSED_ATTENTION_OPS = {"Attention", "MultiHeadAttention", "GroupQueryAttention", "AttentionPlugin"}
-# Ops a projection output may pass through before the Reshape that splits it into heads.
-_PASS_OPS = ("Add", "Mul", "Cast", "Identity", "QuantizeLinear", "DequantizeLinear")
 
 
 @dataclass
@@ -155,6 +157,7 @@ class Branch:
     @property
     def packed(self) -> bool:
         return bool(self.offsets)
+
     # ffn
     width: int = 0
 
@@ -187,8 +190,10 @@ def find_structure(model: ir.Model, world: World | None = None) -> TpStructure:
     graph = model.graph
     world = world if world is not None else World(graph).run()
     order = {node: i for i, node in enumerate(graph)}
-    embedding = _embedding(graph)
-    stream = embedding.outputs[0]
+    embedding = find_embedding(graph)
+    if embedding is None:
+        raise UserError("no token embedding found: expected Gather(embedding weight, input_ids)")
+    stream = embedding.output
     branches: list[Branch] = []
     while (found := _residual(stream)) is not None:
         residual, branch_value, read = found
@@ -206,29 +211,7 @@ def find_structure(model: ir.Model, world: World | None = None) -> TpStructure:
             f"more linear layers follow ({names}); a branch there does not end in a linear layer "
             "added to the stream"
         )
-    return TpStructure(embedding, branches, head)
-
-
-def _embedding(graph: ir.Graph) -> ir.Node:
-    inputs = set(graph.inputs)
-    for node in graph:
-        if node.op_type != "Gather" or constant_tensor(_through(node.inputs[0])) is None:
-            continue
-        indices = node.inputs[1]
-        while indices is not None and indices.producer() is not None and indices.producer().op_type == "Cast":
-            indices = indices.producer().inputs[0]
-        if indices in inputs:
-            return node
-    raise UserError("no token embedding found: expected Gather(embedding weight, input_ids)")
-
-
-def _through(value: ir.Value | None) -> ir.Value | None:
-    while value is not None and constant_tensor(value) is None:
-        node = value.producer()
-        if node is None or node.op_type not in WEIGHT_CHAIN_OPS:
-            return value
-        value = node.inputs[0]
-    return value
+    return TpStructure(embedding.node, branches, head)
 
 
 def _linear_end(value: ir.Value | None) -> ir.Node | None:
@@ -249,22 +232,10 @@ def _linear_end(value: ir.Value | None) -> ir.Node | None:
     return None
 
 
-def _aliases(stream: ir.Value) -> list[ir.Value]:
-    """The stream and its copies through Cast/Identity (Optimum and TorchScript add the Cast's output)."""
-    out, frontier = [stream], [stream]
-    while frontier:
-        value = frontier.pop()
-        for use in value.uses():
-            if use.node.op_type in ("Cast", "Identity") and use.node.outputs[0].dtype == stream.dtype:
-                out.append(use.node.outputs[0])
-                frontier.append(use.node.outputs[0])
-    return out
-
-
 def _residual(stream: ir.Value) -> tuple[ir.Node, ir.Value, ir.Value] | None:
     """The residual Add on the stream, its branch value, and the stream copy the branch reads."""
     found = []
-    for alias in _aliases(stream):
+    for alias in aliases(stream):
         for use in alias.uses():
             node = use.node
             if node.op_type == "Add" and use.idx in (0, 1) and len(node.inputs) == 2:
@@ -277,26 +248,6 @@ def _residual(stream: ir.Value) -> tuple[ir.Node, ir.Value, ir.Value] | None:
     return found[0] if found else None
 
 
-def _cone(start: ir.Value, stream: ir.Value, order: dict[ir.Node, int]) -> set[ir.Node]:
-    """Nodes upstream of `start` that depend on `stream` (the branch body), not crossing `stream`."""
-    seen: set[ir.Node] = set()
-    stack = [start]
-    while stack:
-        value = stack.pop()
-        if value is None or value is stream:
-            continue
-        node = value.producer()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        stack.extend(node.inputs)
-    depends: set[ir.Node] = set()
-    for node in sorted(seen, key=order.__getitem__):
-        if any(v is stream or (v is not None and v.producer() in depends) for v in node.inputs):
-            depends.add(node)
-    return depends
-
-
 def _branch(
     index: int, stream: ir.Value, residual: ir.Node, value: ir.Value, order: dict[ir.Node, int], world: World
 ) -> Branch:
@@ -304,7 +255,7 @@ def _branch(
     assert row_node is not None
     row = weight_ref(row_node)
     assert row is not None
-    nodes = _cone(row_node.inputs[0], stream, order)
+    nodes = branch_nodes(row_node.inputs[0], stream)
     if not any(v is stream or (v is not None and v.producer() in nodes) for v in row_node.inputs[:1]):
         raise UserError(f"residual branch {index}: its last projection does not depend on the stream")
     inputs = {v for n in nodes for v in n.inputs if v is not None and v.is_graph_input()}
@@ -401,20 +352,6 @@ def _is_after(value: ir.Value | None, after: set[ir.Value]) -> bool:
     return value is not None and value in after
 
 
-def _forward(start: ir.Value, nodes: set[ir.Node]) -> set[ir.Value]:
-    seen: set[ir.Value] = set()
-    stack = [start]
-    while stack:
-        value = stack.pop()
-        if value in seen:
-            continue
-        seen.add(value)
-        for use in value.uses():
-            if use.node in nodes:
-                stack.extend(use.node.outputs)
-    return seen
-
-
 def _attention_roles(branch: Branch, output: ir.Value) -> None:
     """q/k/v, heads and cache roles from the attention recognizer (passes.patterns.attention)."""
     where = branch.describe()
@@ -444,55 +381,6 @@ def _attention_roles(branch: Branch, output: ir.Value) -> None:
     if len(branch.columns) != (1 if record.packed else 3):
         names = ", ".join(repr(c.node.name) for c in branch.columns)
         raise UserError(f"{where}: expected q, k, v projections as its first linear layers, found {names}")
-
-
-def _upstream_matmul(value: ir.Value | None, nodes: set[ir.Node]) -> ir.Node | None:
-    for _ in range(8):
-        node = value.producer() if value is not None else None
-        if node is None or node not in nodes:
-            return None
-        if node.op_type == "MatMul" and weight_ref(node) is None:
-            return node
-        value = node.inputs[0]
-    return None
-
-
-def _downstream_matmul(value: ir.Value, nodes: set[ir.Node]) -> ir.Node | None:
-    frontier = [value]
-    for _ in range(8):
-        following = []
-        for v in frontier:
-            for use in v.uses():
-                if use.node not in nodes:
-                    continue
-                if use.node.op_type == "MatMul" and use.idx == 0:
-                    return use.node
-                following.extend(use.node.outputs)
-        frontier = following
-    return None
-
-
-def _split_heads(q: WeightRef, nodes: set[ir.Node], world: World, where: str) -> tuple[int, int]:
-    """(heads, head_dim) from the first Reshape after the q projection."""
-    value = q.node.outputs[0]
-    for _ in range(6):
-        uses = [u.node for u in value.uses() if u.node in nodes]
-        reshape = next((n for n in uses if n.op_type == "Reshape"), None)
-        if reshape is not None:
-            full_in, full_out = world.get(reshape.inputs[0]).shape, world.get(reshape.outputs[0]).shape
-            groups = align(full_in, full_out) if full_in is not None and full_out is not None else None
-            for gi, gj in groups or []:
-                if gi == [len(full_in) - 1] and len(gj) >= 2:
-                    heads = full_out[gj[0]]
-                    rest = product(full_out[k] for k in gj[1:])
-                    if heads is not None and heads.is_int and rest is not None and rest.is_int:
-                        return int(heads), int(rest)
-            break
-        nxt = next((n for n in uses if n.op_type in _PASS_OPS), None)
-        if nxt is None:
-            break
-        value = nxt.outputs[0]
-    raise UserError(f"{where}: no Reshape splitting the q projection into [.., heads, head_dim] found")
 
 
 def _lm_head(graph: ir.Graph, stream: ir.Value) -> tuple[WeightRef | None, list[ir.Node]]:

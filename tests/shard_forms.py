@@ -92,7 +92,7 @@ FORMS = {
     "opset23_attention": ("sdpa", "dynamo", 23),
     "torchscript": ("where", "torchscript", 17),
     "torchscript_repeat": ("repeat", "torchscript", 17),
-    "ort_optimized": ("where", "ort_optimizer", 17),
+    "ort_optimized": ("where", "ort_optimizer", 18),  # dynamo_where through ORT's optimizer
 }
 
 
@@ -109,36 +109,41 @@ def build_torch(attention: str, seed: int = 4):
 
 
 def export_form(name: str, path: Path) -> Path:
-    import torch
-
-    from exporters.onnx_export import export_onnx, quiet_export
+    from exporters.onnx_export import export_onnx
 
     attention, exporter, opset = FORMS[name]
-    model = build_torch(attention)
     if exporter == "dynamo":
-        export_onnx(model, path, opset=opset, external_data_threshold=1 << 40)
-        return path
-    raw = path.with_name(path.stem + ".ts.onnx") if exporter == "ort_optimizer" else path
+        export_onnx(build_torch(attention), path, opset=opset, external_data_threshold=1 << 40)
+    elif exporter == "torchscript":
+        _torchscript_export(build_torch(attention), path, opset)
+    else:  # Skip/SimplifiedLayerNormalization for the residual adds and norms
+        from onnxruntime.transformers.optimizer import optimize_model
+
+        spec = forms_spec()
+        source = forms_model(path.parent.parent, "dynamo_where")
+        optimized = optimize_model(
+            str(source), model_type="gpt2", num_heads=spec.heads, hidden_size=spec.hidden, opt_level=0
+        )
+        optimized.save_model_to_file(str(path))
+    return path
+
+
+def _torchscript_export(model, path: Path, opset: int) -> None:
+    import torch
+
+    from exporters.onnx_export import quiet_export
+
     with quiet_export(), torch.no_grad():
         torch.onnx.export(
             model,
             (torch.zeros((2, 8), dtype=torch.int64),),
-            str(raw),
+            str(path),
             dynamo=False,
             opset_version=opset,
             input_names=["input_ids"],
             output_names=["logits"],
             dynamic_axes={"input_ids": {0: "batch", 1: "seq"}, "logits": {0: "batch", 1: "seq"}},
         )
-    if exporter == "ort_optimizer":
-        from onnxruntime.transformers.optimizer import optimize_model
-
-        spec = forms_spec()
-        optimized = optimize_model(
-            str(raw), model_type="gpt2", num_heads=spec.heads, hidden_size=spec.hidden, opt_level=0
-        )
-        optimized.save_model_to_file(str(path))
-    return path
 
 
 def forms_model(base: Path, name: str) -> Path:

@@ -117,7 +117,17 @@ def test_recognizer_refuses_an_ffn(form) -> None:
 # ------------------------------------------------------------------------------------------ numerics
 
 
-@pytest.mark.parametrize("name", ["dynamo_where", "dynamo_repeat", "opset23_attention"])
+SHARDED_FORMS = [
+    "dynamo_where",  # masked_fill (Where) mask, IsNaN -> Where guard, repeat_kv by Expand/Reshape
+    "dynamo_repeat",  # repeat_interleave, additive mask
+    "opset23_attention",  # the opset-23 Attention op (q_num_heads/kv_num_heads rewritten per rank)
+    "torchscript",  # TorchScript (dynamo=False, opset 17): shape vectors built at run time
+    "torchscript_repeat",  # TorchScript repeat_interleave: Tile
+    "ort_optimized",  # ORT transformers optimizer: SkipSimplifiedLayerNormalization residual stream
+]
+
+
+@pytest.mark.parametrize("name", SHARDED_FORMS)
 def test_forms_shard_exactly_at_any_tp(form, tmp_path: Path, name: str) -> None:
     model = form(name)
     ids = tokens()
