@@ -39,7 +39,7 @@ class GenerationFailed(Exception):
 def create_app(served: ServedModel, max_batch: int = 8, max_queue: int = 64) -> FastAPI:
     metrics = Metrics()
     max_batch = min(max_batch, served.max_batch or max_batch)  # an engine's profile may allow fewer
-    scheduler = Scheduler(runner_for(served.model), max_batch, max_queue, metrics)
+    scheduler = Scheduler(runner_for(served.model, served.left_padding), max_batch, max_queue, metrics)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):

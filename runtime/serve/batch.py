@@ -14,6 +14,10 @@ logits do not depend on its neighbours (up to float summation order; greedy equa
 
 Prefill runs per sequence (batch 1) from an empty cache; its cache then joins the batch.
 
+`GroupedRunner` is for graphs whose attention cannot take left padding (ONNX Runtime GenAI's
+GroupQueryAttention reads each row's length from the mask and assumes its tokens start at slot 0): every
+sequence keeps its own cache, and a step batches only the sequences of equal length (no padding at all).
+
 `RecomputeRunner` serves graphs without a KV cache: every step re-runs each sequence's whole token list,
 left-padded together when the graph takes an attention_mask, else in groups of equal length.
 """
@@ -42,8 +46,10 @@ class Runner(Protocol):
     def __len__(self) -> int: ...
 
 
-def runner_for(model: DecodeModel) -> Runner:
-    return CachedRunner(model) if model.cached else RecomputeRunner(model)
+def runner_for(model: DecodeModel, left_padding: bool = True) -> Runner:
+    if not model.cached:
+        return RecomputeRunner(model)
+    return CachedRunner(model) if left_padding else GroupedRunner(model)
 
 
 def _pad_left(array: np.ndarray, width: int, axis: int) -> np.ndarray:
@@ -105,6 +111,43 @@ class CachedRunner:
         logits, cache = self.model.forward(ids, mask, self.cache)
         self.mask, self.cache = mask, cache
         return {k: logits[row, -1] for row, k in enumerate(self.keys)}
+
+
+class GroupedRunner:
+    """Sequences with their own caches; each step runs one batch per distinct length (no padding)."""
+
+    def __init__(self, model: DecodeModel) -> None:
+        self.model = model
+        self.caches: dict[Hashable, dict[str, np.ndarray]] = {}
+        self.lengths: dict[Hashable, int] = {}
+
+    def __len__(self) -> int:
+        return len(self.caches)
+
+    def prefill(self, key: Hashable, prompt: Sequence[int]) -> np.ndarray:
+        ids = np.asarray([prompt], dtype=np.int64)
+        logits, cache = self.model.forward(ids, np.ones_like(ids), self.model.empty_cache(1))
+        self.caches[key], self.lengths[key] = cache, ids.shape[1]
+        return logits[0, -1]
+
+    def release(self, key: Hashable) -> None:
+        self.caches.pop(key, None)
+        self.lengths.pop(key, None)
+
+    def decode(self, tokens: dict[Hashable, int]) -> dict[Hashable, np.ndarray]:
+        groups: dict[int, list[Hashable]] = {}
+        for key in tokens:
+            groups.setdefault(self.lengths[key], []).append(key)
+        out = {}
+        for length, keys in groups.items():
+            ids = np.asarray([[tokens[k]] for k in keys], dtype=np.int64)
+            cache = {n: np.concatenate([self.caches[k][n] for k in keys]) for n in self.caches[keys[0]]}
+            logits, cache = self.model.forward(ids, np.ones((len(keys), length + 1), np.int64), cache)
+            for row, key in enumerate(keys):
+                self.caches[key] = {n: a[row : row + 1] for n, a in cache.items()}
+                self.lengths[key] = length + 1
+                out[key] = logits[row, -1]
+        return out
 
 
 class RecomputeRunner:

@@ -50,6 +50,7 @@ class ServedModel:
     created: int
     max_batch: int | None = None  # a TensorRT engine's profile bounds the batch ...
     max_prompt: int | None = None  # ... and the tokens of one call (the prefill)
+    left_padding: bool = True  # False: GenAI's GroupQueryAttention graphs (runtime.serve.batch.GroupedRunner)
 
     @property
     def vocab(self) -> int | None:
@@ -150,6 +151,7 @@ def load(
         created=int(time.time()),
         max_batch=limits.batch,
         max_prompt=limits.seq,
+        left_padding=not (source.folder / "genai_config.json").is_file(),
     )
 
 
