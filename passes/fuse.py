@@ -5,19 +5,26 @@
 with gate and up concatenated along the intermediate dimension and down along its input dimension.
 "last" normalizes with the group's last norm weight (the paper); "fold" multiplies each block's own norm
 weight into the rows of its W_gate and W_up, so every FFN sees exactly the input it saw in the parallel
-form. Fused weights are LazyTensors: they are computed one at a time while the model is saved.
+form. Fused weights are `ConcatTensor`s (passes/stream_concat.py): written in row chunks straight from the
+source weights while the model is saved, in the parts' own layout ([in, out], or [out, in] read through a
+Transpose when every part is stored so), never whole in memory. int4 MatMulNBits weights are concatenated
+as they are packed (along N for gate/up; along K for down, when block_size divides every part's K).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from passes.blocks import Block, find_blocks
+from passes.errors import UserError
 from passes.graph import strip_cast
-from passes.patterns.swiglu import Weight
+from passes.patterns.swiglu import NBits, Weight
 from passes.plan import Plan, validate_plan
+from passes.stream_concat import ConcatTensor, Part
 
 PLAN_METADATA_KEY = "ffn_fusion.plan"
 
@@ -50,10 +57,16 @@ class FuseFFNGroups(ir.passes.InPlacePass):
 def _fuse_group(graph: ir.Graph, group: list[Block], mode: str) -> None:
     first, last = group[0], group[-1]
     prefix = f"ffn_fusion.{first.index}_{last.index}"
+    gates, ups, downs = ([getattr(b.ffn, role) for b in group] for role in ("gate", "up", "down"))
+    if any(w.nbits is not None for w in (*gates, *ups, *downs)) and mode == "fold":
+        raise UserError(
+            f'group [{first.index}, {last.index}]: "fold" cannot fold norm weights into int4 MatMulNBits '
+            'weights exactly; use "norm": "last"'
+        )
     z, row_scales = _shared_norm(graph, group, mode, prefix)
-    gate = _initializer(graph, f"{prefix}.gate_proj.weight", [b.ffn.gate for b in group], 1, row_scales)
-    up = _initializer(graph, f"{prefix}.up_proj.weight", [b.ffn.up for b in group], 1, row_scales)
-    down = _initializer(graph, f"{prefix}.down_proj.weight", [b.ffn.down for b in group], 0, None)
+    gate = _fused_linear(graph, f"{prefix}.gate_proj", gates, OUT, row_scales)
+    up = _fused_linear(graph, f"{prefix}.up_proj", ups, OUT, row_scales)
+    down = _fused_linear(graph, f"{prefix}.down_proj", downs, IN, None)
     nodes, output = _swiglu_nodes(z, gate, up, down, prefix)
     residual = last.residual
     graph.insert_before(residual.node, nodes)
@@ -63,14 +76,14 @@ def _fuse_group(graph: ir.Graph, group: list[Block], mode: str) -> None:
 
 def _shared_norm(
     graph: ir.Graph, group: list[Block], mode: str, prefix: str
-) -> tuple[ir.Value, list[ir.Value] | None]:
+) -> tuple[ir.Value, list[np.ndarray] | None]:
     """The fused FFN's input, and the per-block norm weights to fold into gate/up rows ("fold")."""
     norm = group[0].norm
     node, slot = norm.weight_slot
     if mode == "last":
         node.replace_input_with(slot, group[-1].norm.weight)
         return norm.output, None
-    row_scales = [strip_cast(b.norm.weight) for b in group]
+    row_scales = [strip_cast(b.norm.weight).const_value.numpy().astype(np.float32) for b in group]
     if norm.unscaled is not None:
         return norm.unscaled, row_scales
     scale = strip_cast(norm.weight).const_value
@@ -82,51 +95,192 @@ def _shared_norm(
     return norm.output, row_scales
 
 
-def _initializer(
-    graph: ir.Graph, name: str, weights: list[Weight], axis: int, row_scales: list[ir.Value] | None
-) -> ir.Value:
-    rows, cols = weights[0].shape
-    shape = (
-        (rows, sum(w.shape[1] for w in weights)) if axis == 1 else (sum(w.shape[0] for w in weights), cols)
+OUT, IN = "out", "in"  # gate/up are concatenated along their output dimension, down along its input
+
+
+@dataclass(frozen=True)
+class FusedLinear:
+    """The fused weight of one projection: a float matrix (stored [in, out], or [out, in] when every part
+    was), or a MatMulNBits weight (packed values, scales, zero points and the node's attributes)."""
+
+    weight: ir.Value
+    transposed: bool = False
+    nbits: tuple[ir.Value, ir.Value | None, dict] | None = None  # scales, zero points, attributes
+
+
+def _fused_linear(
+    graph: ir.Graph, name: str, weights: list[Weight], along: str, scales: list[np.ndarray] | None
+) -> FusedLinear:
+    if any(w.nbits is not None for w in weights):
+        return _fused_nbits(graph, name, weights, along)
+    transposed = all(w.transposed for w in weights)
+    # In the stored layout, the output dimension is the rows when transposed, else the columns.
+    axis = int(transposed) if along == IN else 1 - int(transposed)
+    parts = [_float_part(w, transposed, None if scales is None else scales[k]) for k, w in enumerate(weights)]
+    return FusedLinear(_register(graph, f"{name}.weight", parts, axis, weights[0].dtype), transposed)
+
+
+def _float_part(weight: Weight, transposed: bool, scale: np.ndarray | None) -> Part:
+    """The part of a float weight, in the fused layout; `scale` multiplies its input dimension ("fold")."""
+    tensor = weight.source.const_value
+    rows, cols = (int(d) for d in tensor.shape)
+    columns = weight.columns  # a range of the [in, out] output dimension: stored rows when transposed
+    row_range, col_range = (columns, None) if weight.transposed else (None, columns)
+    return Part(
+        tensor,
+        rows,
+        cols,
+        row_range,
+        col_range,
+        transpose=weight.transposed != transposed,
+        scale=scale,
+        scale_axis=1 if transposed else 0,
     )
-    dtype = weights[0].dtype
 
-    def concatenate() -> ir.TensorProtocol:
-        # One output buffer, each part copied (and row-scaled for "fold") straight into its slice.
-        fused = np.empty(shape, dtype=dtype.numpy())
-        offset = 0
-        for k, weight in enumerate(weights):
-            part = weight.matrix()
-            width = part.shape[axis]
-            target = fused[:, offset : offset + width] if axis == 1 else fused[offset : offset + width]
-            if row_scales is None:
-                target[...] = part
-            else:
-                scale = row_scales[k].const_value.numpy().astype(np.float32)[:, None]
-                target[...] = (part.astype(np.float32, copy=False) * scale).astype(fused.dtype, copy=False)
-            offset += width
-            del part
-            weight.release()
-        return ir.tensor(fused, dtype=dtype, name=name)
 
-    tensor = ir.LazyTensor(concatenate, dtype=dtype, shape=ir.Shape(shape), name=name)
+def _fused_nbits(graph: ir.Graph, name: str, weights: list[Weight], along: str) -> FusedLinear:
+    """MatMulNBits parts concatenated along N (gate/up: their packed rows one after the other) or along K
+    (down: each row's blocks side by side, exact when block_size divides every part's K)."""
+    if any(w.nbits is None for w in weights):
+        raise UserError(f"{name}: the group mixes int4 MatMulNBits and float weights; fuse them apart")
+    first = weights[0].nbits
+    same = {"bits": lambda w: w.nbits.bits, "block_size": lambda w: w.nbits.block_size}
+    same |= {"K": lambda w: w.shape[0]} if along == OUT else {"N": lambda w: w.shape[1]}
+    for attribute, get in same.items():
+        if len({get(w) for w in weights}) != 1:
+            raise UserError(
+                f"{name}: the MatMulNBits parts differ in {attribute}; they cannot be concatenated"
+            )
+    if along == IN and (odd := [w.shape[0] for w in weights if w.shape[0] % first.block_size]):
+        raise UserError(
+            f"{name}: block_size {first.block_size} does not divide the down projections' K {odd}: their "
+            "int4 blocks cannot be concatenated exactly along K; re-quantize with a block size that divides "
+            "every FFN width"
+        )
+    axis = 0 if along == OUT else 1
+    k = first.k if along == OUT else sum(w.shape[0] for w in weights)
+    n = sum(w.shape[1] for w in weights) if along == OUT else weights[0].shape[1]
+    blocks, blob = -(-k // first.block_size), first.block_size * first.bits // 8
+    packed = [_nbits_part(w, w.source.const_value, w.nbits.blocks * blob) for w in weights]
+    packed = _register(graph, f"{name}.weight_q", packed, axis, ir.DataType.UINT8, (n, blocks, blob))
+    scales = [_nbits_part(w, w.nbits.scales.const_value, w.nbits.blocks) for w in weights]
+    scale_shape = (n, blocks) if len(first.scales.const_value.shape) == 2 else (n * blocks,)
+    scales = _register(graph, f"{name}.scales", scales, axis, weights[0].dtype, scale_shape)
+    zero_points = _fused_zero_points(graph, f"{name}.zero_points", weights, axis, n, blocks)
+    attributes = {a.name: a.value for a in first.node.attributes.values()} | {"K": k, "N": n}
+    return FusedLinear(packed, True, (scales, zero_points, attributes))
+
+
+def _nbits_part(weight: Weight, tensor, per_row: int, transform=None, width=None) -> Part:
+    """Rows of a MatMulNBits input ([N, per_row] viewed), those of the weight's N range for a gate_up half."""
+    q = weight.nbits
+    return Part(tensor, q.n, per_row, row_range=weight.columns, transform=transform, width=width)
+
+
+def _fused_zero_points(graph, name, weights: list[Weight], axis: int, n: int, blocks: int) -> ir.Value | None:
+    quants = [w.nbits for w in weights]
+    if all(q.zero_points is None for q in quants):
+        return None
+    types = {q.zero_points.const_value.dtype for q in quants if q.zero_points is not None}
+    if len(types) != 1:
+        raise UserError(f"{name}: the MatMulNBits parts store zero points in different types")
+    dtype, bits = types.pop(), quants[0].bits
+    if dtype != ir.DataType.UINT8:  # zero points in the scales' type, one per block
+        parts = [
+            _nbits_part(w, _zero_points(w.nbits, w.nbits.blocks, dtype), w.nbits.blocks) for w in weights
+        ]
+        return _register(graph, name, parts, axis, dtype, (n * blocks,))
+    per_row = -(-blocks * bits // 8)
+    packed = [(w, _zero_points(w.nbits, -(-w.nbits.blocks * bits // 8), dtype)) for w in weights]
+    if axis == 0:  # along N: whole packed rows, one part after the other
+        parts = [_nbits_part(w, t, -(-w.nbits.blocks * bits // 8)) for w, t in packed]
+        return _register(graph, name, parts, axis, dtype, (n * per_row,))
+    # Along K a part may end mid-byte: unpack each row chunk to one field per block, then pack again.
+    parts = [
+        _nbits_part(w, t, -(-w.nbits.blocks * bits // 8), _unpacker(bits, w.nbits.blocks), w.nbits.blocks)
+        for w, t in packed
+    ]
+    return _register(graph, name, parts, axis, dtype, (n * per_row,), finish=lambda c: _pack(c, bits))
+
+
+def _zero_points(q: NBits, per_row: int, dtype: ir.DataType):
+    """The stored zero points, or the default 2^(bits - 1) in every field when the part has none."""
+    if q.zero_points is not None:
+        return q.zero_points.const_value
+    if dtype != ir.DataType.UINT8:
+        return np.full((q.n, per_row), 2.0 ** (q.bits - 1), dtype.numpy())
+    byte = sum((1 << (q.bits - 1)) << shift for shift in range(0, 8, q.bits))
+    return np.full((q.n, per_row), byte, np.uint8)
+
+
+def _unpacker(bits: int, fields: int):
+    return lambda chunk: _unpack(chunk, bits)[:, :fields]
+
+
+def _unpack(packed: np.ndarray, bits: int) -> np.ndarray:
+    fields = packed[..., None] >> np.arange(0, 8, bits, dtype=np.uint8) & np.uint8((1 << bits) - 1)
+    return fields.reshape(packed.shape[0], -1)
+
+
+def _pack(fields: np.ndarray, bits: int) -> np.ndarray:
+    per_byte = 8 // bits
+    padded = np.zeros((fields.shape[0], -(-fields.shape[1] // per_byte) * per_byte), np.uint8)
+    padded[:, : fields.shape[1]] = fields
+    grouped = padded.reshape(fields.shape[0], -1, per_byte) << np.arange(0, 8, bits, dtype=np.uint8)
+    return np.bitwise_or.reduce(grouped, axis=2).astype(np.uint8)
+
+
+def _register(
+    graph: ir.Graph,
+    name: str,
+    parts: list[Part],
+    axis: int,
+    dtype: ir.DataType,
+    shape: tuple[int, ...] | None = None,
+    finish=None,
+) -> ir.Value:
+    rows = sum(p.shape[0] for p in parts) if axis == 0 else parts[0].shape[0]
+    cols = parts[0].shape[1] if axis == 0 else sum(p.shape[1] for p in parts)
+    shape = shape if shape is not None else (rows, cols)
+    tensor = ConcatTensor(parts, axis, dtype, shape, name, finish=finish)
     value = ir.Value(name=name, shape=ir.Shape(shape), type=ir.TensorType(dtype), const_value=tensor)
     graph.register_initializer(value)
     return value
 
 
 def _swiglu_nodes(
-    z: ir.Value, gate: ir.Value, up: ir.Value, down: ir.Value, prefix: str
+    z: ir.Value, gate: FusedLinear, up: FusedLinear, down: FusedLinear, prefix: str
 ) -> tuple[list[ir.Node], ir.Value]:
-    def node(op: str, inputs: list[ir.Value], suffix: str) -> ir.Node:
-        out = ir.Value(name=f"{prefix}.{suffix}")
-        return ir.Node("", op, inputs, outputs=[out], name=f"{prefix}/{suffix}")
+    nodes: list[ir.Node] = []
 
-    gate_out = node("MatMul", [z, gate], "gate")
-    sigmoid = node("Sigmoid", [gate_out.outputs[0]], "sigmoid")
-    silu = node("Mul", [gate_out.outputs[0], sigmoid.outputs[0]], "silu")
-    up_out = node("MatMul", [z, up], "up")
-    product = node("Mul", [silu.outputs[0], up_out.outputs[0]], "product")
-    down_out = node("MatMul", [product.outputs[0], down], "down")
-    nodes = [gate_out, sigmoid, silu, up_out, product, down_out]
-    return nodes, down_out.outputs[0]
+    def node(op: str, inputs: list[ir.Value | None], suffix: str, **kwargs) -> ir.Value:
+        out = ir.Value(name=f"{prefix}.{suffix}")
+        nodes.append(
+            ir.Node(kwargs.pop("domain", ""), op, inputs, outputs=[out], name=f"{prefix}/{suffix}", **kwargs)
+        )
+        return out
+
+    def linear(x: ir.Value, fused: FusedLinear, suffix: str) -> ir.Value:
+        if fused.nbits is not None:
+            scales, zero_points, attributes = fused.nbits
+            inputs = [x, fused.weight, scales] + ([zero_points] if zero_points is not None else [])
+            attrs = [ir.Attr(k, _attribute_type(v), v) for k, v in sorted(attributes.items())]
+            return node("MatMulNBits", inputs, suffix, domain="com.microsoft", attributes=attrs)
+        weight = fused.weight
+        if fused.transposed:
+            perm = [ir.Attr("perm", ir.AttributeType.INTS, [1, 0])]
+            weight = node("Transpose", [weight], f"{suffix}_weight_t", attributes=perm)
+        return node("MatMul", [x, weight], suffix)
+
+    gate_out = linear(z, gate, "gate")
+    silu = node("Mul", [gate_out, node("Sigmoid", [gate_out], "sigmoid")], "silu")
+    product = node("Mul", [silu, linear(z, up, "up")], "product")
+    return nodes, linear(product, down, "down")
+
+
+def _attribute_type(value) -> ir.AttributeType:
+    if isinstance(value, int):
+        return ir.AttributeType.INT
+    if isinstance(value, float):
+        return ir.AttributeType.FLOAT
+    return ir.AttributeType.STRING

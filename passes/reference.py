@@ -2,8 +2,9 @@
 
     y = x + sum_k W_down_k (silu(z_k W_gate_k) * (z_k W_up_k)),   z_k = x / rms(x) * w
 
-with w the last block's norm weight ("last") or block k's own ("fold"). It reads the weights of one
-block at a time and never builds the concatenated matrices the rewrite builds.
+with w the last block's norm weight ("last") or block k's own ("fold"). It reads the original weights of
+one block at a time, a block of rows at a time, and never builds the concatenated matrices the rewrite
+builds; int4 MatMulNBits weights are dequantized here, independently of ONNX Runtime.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import numpy as np
 
 from passes.blocks import Block
 from passes.graph import strip_cast
+from passes.patterns.swiglu import SwiGLU, Weight
 
 
 def rms_normalize(x: np.ndarray, eps: float) -> np.ndarray:
@@ -24,6 +26,35 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 def swiglu(z: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
     return (silu(z @ gate) * (z @ up)) @ down
+
+
+def dequantize_nbits(weight: Weight, start: int = 0, stop: int | None = None) -> np.ndarray:
+    """Columns start:stop of the [in, out] float64 matrix of a com.microsoft MatMulNBits weight (see
+    NBits), from its own packed values, scales and zero points: (q - zero_point) * scale per block, low
+    bits first. Only those output rows (N) are read."""
+    q = weight.nbits
+    first = weight.columns[0] if weight.columns is not None else 0
+    stop = weight.shape[1] if stop is None else stop
+    rows = slice(first + start, first + stop)
+    values = _unpack(weight.source.const_value.numpy()[rows], q.bits).reshape(-1, q.blocks, q.block_size)
+    scales = q.scales.const_value.numpy().reshape(q.n, q.blocks)[rows].astype(np.float64)
+    if q.zero_points is None:
+        zero_points = np.full(scales.shape, 2.0 ** (q.bits - 1))
+    else:
+        stored = q.zero_points.const_value.numpy().reshape(q.n, -1)[rows]
+        packed = stored.dtype == np.uint8
+        zero_points = (_unpack(stored, q.bits)[:, : q.blocks] if packed else stored).astype(np.float64)
+        del stored  # no view of the memory map may outlive it
+    matrix = (values - zero_points[..., None]) * scales[..., None]
+    weight.release()
+    return matrix.reshape(len(values), -1)[:, : q.k].T
+
+
+def _unpack(packed: np.ndarray, bits: int) -> np.ndarray:
+    """uint8 bytes -> their `bits`-wide fields, the low bits first (last axis grows 8 / bits times)."""
+    shifts = np.arange(0, 8, bits, dtype=np.uint8)
+    fields = (packed[..., None] >> shifts) & np.uint8((1 << bits) - 1)
+    return fields.reshape(*packed.shape[:-1], -1).astype(np.float64)
 
 
 def norm_weight(block: Block) -> np.ndarray | None:
@@ -40,10 +71,49 @@ def parallel_sum(x: np.ndarray, group: list[Block], mode: str) -> np.ndarray:
         norm_block = last if mode == "last" else block
         z = rms_normalize(x, norm_block.norm.eps)
         weight = norm_weight(norm_block)
-        z = z if weight is None else z * weight
-        mats = [w.matrix().astype(np.float64) for w in (block.ffn.gate, block.ffn.up, block.ffn.down)]
-        out += swiglu(z, *mats)
-        del mats
-        for w in (block.ffn.gate, block.ffn.up, block.ffn.down):
-            w.release()
+        out += ffn(z if weight is None else z * weight, block.ffn)
     return out
+
+
+def ffn(z: np.ndarray, swiglu_ffn: SwiGLU) -> np.ndarray:
+    """down(silu(z @ gate) * (z @ up)) in float64, each weight read a block of rows at a time."""
+    hidden = silu(matmul(z, swiglu_ffn.gate)) * matmul(z, swiglu_ffn.up)
+    return matmul(hidden, swiglu_ffn.down)
+
+
+# Weights are read a block of stored rows at a time (about this many bytes once in float64), and their
+# memory map is released after each block: memory stays near one block whatever the matrix size.
+ROW_BLOCK_BYTES = 32 << 20
+
+
+def matmul(x: np.ndarray, weight: Weight) -> np.ndarray:
+    """x @ W (W the [in, out] matrix) in float64, reading W's stored rows a block at a time."""
+    rows, cols = weight.shape
+    stored_rows, stored_cols = (cols, rows) if weight.transposed else (rows, cols)
+    step = max(1, ROW_BLOCK_BYTES // (8 * stored_cols))
+    out = np.zeros((*x.shape[:-1], cols))
+    for start in range(0, stored_rows, step):
+        stop = min(start + step, stored_rows)
+        block = _stored_rows(weight, start, stop)
+        if weight.transposed:  # stored [out, in]: these rows are columns start:stop of W
+            out[..., start:stop] = x @ block.T
+        else:
+            out += x[..., start:stop] @ block
+    return out
+
+
+def _stored_rows(weight: Weight, start: int, stop: int) -> np.ndarray:
+    """Rows start:stop of the weight as stored ([out, in] when transposed), float64."""
+    if weight.nbits is not None:
+        return dequantize_nbits(weight, start, stop).T
+    array = weight.source.const_value.numpy()
+    columns = weight.columns
+    if weight.transposed:
+        first = columns[0] if columns is not None else 0
+        block = array[first + start : first + stop].astype(np.float64)
+    else:
+        block = array[start:stop].astype(np.float64)
+        block = block if columns is None else block[:, columns[0] : columns[1]]
+    del array  # no view of the memory map may outlive it
+    weight.release()
+    return block

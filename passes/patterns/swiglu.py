@@ -1,8 +1,9 @@
 """SwiGLU FFN: down(silu(z @ W_gate) * (z @ W_up)) in the forms exporters emit (DESIGN 3).
 
 Weights are initializers used as [in, out], Transpose(initializer) or Gemm(transB=1) over [out, in],
-optionally behind a Cast. Gate and up are two MatMuls, or one gate_up MatMul split by Split or Slice
-along the last axis (Phi-3 style: the first half is the gate).
+optionally behind a Cast, or ONNX Runtime's int4 com.microsoft MatMulNBits (GenAI's int4 export). Gate and
+up are two MatMuls, or one gate_up MatMul split by Split or Slice along the last axis (Phi-3 style: the
+first half is the gate).
 """
 
 from __future__ import annotations
@@ -14,36 +15,70 @@ import onnx_ir as ir
 
 from passes.graph import NoMatch, attr, constant, is_initializer, maybe_producer, producer
 
+MATMUL_NBITS = ("com.microsoft", "MatMulNBits")
+
+
+@dataclass(frozen=True)
+class NBits:
+    """A com.microsoft MatMulNBits weight: W[n, k] = (q - zero_point) * scale per block of `block_size` k's.
+
+    `source` (the Weight's) holds q packed as uint8 [N, blocks, block_size * bits / 8], low bits first;
+    scales are [N * blocks] (or [N, blocks]); zero points are packed uint8 [N * ceil(blocks * bits / 8)]
+    or of the scales' type [N * blocks]; absent, they are 2^(bits - 1)."""
+
+    node: ir.Node  # the MatMulNBits node (its other attributes are kept when fused)
+    scales: ir.Value
+    zero_points: ir.Value | None
+    k: int
+    n: int
+    bits: int
+    block_size: int
+
+    @property
+    def blocks(self) -> int:
+        return -(-self.k // self.block_size)
+
 
 @dataclass(frozen=True)
 class Weight:
     """A linear layer's weight, readable as the [in, out] matrix its MatMul multiplies by."""
 
-    source: ir.Value  # the initializer
+    source: ir.Value  # the initializer (for MatMulNBits: the packed quantized values)
     transposed: bool  # stored as [out, in]
     columns: tuple[int, int] | None = None  # a column range of a shared gate_up weight
+    nbits: NBits | None = None  # an int4 MatMulNBits weight ([out, in], always transposed)
 
     @property
     def dtype(self) -> ir.DataType:
-        return self.source.const_value.dtype
+        """The float type the layer computes in (for MatMulNBits: its scales' type)."""
+        tensor = self.nbits.scales if self.nbits is not None else self.source
+        return tensor.const_value.dtype
 
     @property
     def shape(self) -> tuple[int, int]:
+        if self.nbits is not None:
+            return self.nbits.k, self.nbits.n
         rows, cols = (int(d) for d in self.source.const_value.shape)
         rows, cols = (cols, rows) if self.transposed else (rows, cols)
         return (rows, cols) if self.columns is None else (rows, self.columns[1] - self.columns[0])
 
     def matrix(self) -> np.ndarray:
-        """The [in, out] matrix in its stored dtype (reads the initializer; external data stays mapped)."""
+        """The [in, out] matrix in its stored dtype (reads the initializer; external data stays mapped).
+        MatMulNBits weights are dequantized by the reference (float64)."""
+        if self.nbits is not None:
+            from passes.reference import dequantize_nbits  # the reference is the one dequantizer
+
+            return dequantize_nbits(self)
         array = self.source.const_value.numpy()
         array = array.T if self.transposed else array
         return array if self.columns is None else array[:, self.columns[0] : self.columns[1]]
 
     def release(self) -> None:
         """Unmap external data after reading, so memory does not grow with the model."""
-        release = getattr(self.source.const_value, "release", None)
-        if release is not None:
-            release()
+        for value in (self.source, *((self.nbits.scales, self.nbits.zero_points) if self.nbits else ())):
+            release = getattr(value.const_value if value is not None else None, "release", None)
+            if release is not None:
+                release()
 
 
 @dataclass(frozen=True)
@@ -134,9 +169,11 @@ def _columns(node: ir.Node, value: ir.Value, weight: Weight) -> tuple[int, int]:
 
 
 def _match_linear(output: ir.Value) -> tuple[ir.Value, Weight]:
-    """MatMul(x, W) | MatMul(x, Transpose(W)) | Gemm(x, W, transB=1); returns (x, weight)."""
-    node = producer(output, "MatMul", "Gemm")
+    """MatMul(x, W) | MatMul(x, Transpose(W)) | Gemm(x, W, transB=1) | MatMulNBits; returns (x, weight)."""
+    node = producer(output, "MatMul", "Gemm", "MatMulNBits")
     x, weight = node.inputs[0], node.inputs[1]
+    if node.op_type == "MatMulNBits":
+        return x, _nbits_weight(node)
     if node.op_type == "Gemm":
         if len(node.inputs) > 2 or attr(node, "transA", 0) or attr(node, "alpha", 1.0) != 1.0:
             raise NoMatch("Gemm with bias, transA or alpha is not a plain linear layer")
@@ -153,3 +190,23 @@ def _weight(value: ir.Value, transposed: bool) -> Weight:
     if not is_initializer(value) or len(value.const_value.shape) != 2:
         raise NoMatch(f"linear weight {value.name} is not a 2-D initializer")
     return Weight(value, transposed)
+
+
+def _nbits_weight(node: ir.Node) -> Weight:
+    if (node.domain, node.op_type) != MATMUL_NBITS:
+        raise NoMatch(f"MatMulNBits in domain {node.domain!r} is not ONNX Runtime's")
+    packed, scales = node.inputs[1], node.inputs[2]
+    zero_points = node.inputs[3] if len(node.inputs) > 3 else None
+    if any(v is not None for v in node.inputs[4:]):
+        raise NoMatch("MatMulNBits with g_idx or bias is not a plain linear layer")
+    if not all(is_initializer(v) for v in (packed, scales)) or (
+        zero_points is not None and not is_initializer(zero_points)
+    ):
+        raise NoMatch("MatMulNBits weights, scales or zero points are not initializers")
+    k, n = int(attr(node, "K", 0)), int(attr(node, "N", 0))
+    bits, block_size = int(attr(node, "bits", 4)), int(attr(node, "block_size", 0))
+    nbits = NBits(node, scales, zero_points, k, n, bits, block_size)
+    if tuple(packed.const_value.shape) != (n, nbits.blocks, block_size * bits // 8):
+        shape = tuple(packed.const_value.shape)
+        raise NoMatch(f"MatMulNBits weight shape {shape} disagrees with K={k}, N={n}, bits={bits}")
+    return Weight(packed, True, None, nbits)

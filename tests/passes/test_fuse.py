@@ -6,6 +6,7 @@ import hashlib
 
 import numpy as np
 import onnxruntime as ort
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -96,3 +97,51 @@ def test_large_models_are_checked_group_by_group(tmp_path, monkeypatch):
     report = fuse_file(path, Plan(((0, 2), (3, 5)), "fold"), tmp_path / "fused.onnx").report
     assert report.mode == "per group" and report.ok and len(report.groups) == 2
     assert report.logits_rel_error is None
+
+
+def test_large_groups_are_checked_by_the_streamed_reference(tmp_path, monkeypatch):
+    """Groups too large for an ONNX Runtime subgraph: the fused block, as read back from the fused file,
+    is evaluated over row blocks in float64 against the original weights."""
+    import passes.reference
+    import passes.validate
+
+    monkeypatch.setattr(passes.validate, "WHOLE_MODEL_LIMIT", 0)
+    monkeypatch.setattr(passes.validate, "SUBGRAPH_WEIGHT_LIMIT", 0)
+    monkeypatch.setattr(passes.reference, "ROW_BLOCK_BYTES", 8 * 64 * 5)  # a few rows per block
+    path = build_synthetic(SPEC, tmp_path / "model.onnx", external=True)
+    for mode in ("last", "fold"):
+        report = fuse_file(path, Plan(((0, 2), (3, 5)), mode), tmp_path / f"{mode}.onnx").report
+        assert report.mode == "per group" and report.ok and len(report.groups) == 2
+        assert all(g.rel_error < 1e-6 for g in report.groups), report.lines()
+
+
+def test_the_streamed_check_catches_a_wrong_fused_weight(tmp_path, monkeypatch):
+    import passes.fuse
+    import passes.validate
+    from passes.validate import ValidationError
+
+    monkeypatch.setattr(passes.validate, "WHOLE_MODEL_LIMIT", 0)
+    monkeypatch.setattr(passes.validate, "SUBGRAPH_WEIGHT_LIMIT", 0)
+    float_part = passes.fuse._float_part
+    monkeypatch.setattr(passes.fuse, "_float_part", lambda w, t, scale: float_part(w, t, None))  # fold lost
+    path = build_synthetic(SPEC, tmp_path / "model.onnx", external=True)
+    with pytest.raises(ValidationError, match="MISMATCH"):
+        fuse_file(path, Plan(((0, 2),), "fold"), tmp_path / "fused.onnx")
+    assert not (tmp_path / "fused.onnx").exists()
+
+
+@pytest.mark.parametrize("ffn", ["transpose", "gemm", "gate_up_split"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_weight_forms_stream_into_the_fused_file(tmp_path, monkeypatch, ffn, dtype):
+    """[out, in] weights stay [out, in] (read through a Transpose); halves of a gate_up weight; bf16 rows;
+    written in chunks of a few rows."""
+    import passes.stream_concat
+
+    monkeypatch.setattr(passes.stream_concat, "CHUNK_BYTES", 100)
+    spec = SyntheticSpec(blocks=SPEC.blocks, ffn=ffn, dtype=dtype, norm="cast_fp32")
+    path = build_synthetic(spec, tmp_path / "model.onnx", external=True)
+    for mode in ("last", "fold"):
+        result = fuse_file(path, Plan(((0, 2),), mode), tmp_path / f"{mode}.onnx")
+        assert result.report.ok, result.report.lines()
+        fused = find_blocks(load_model(result.output))[0].ffn
+        assert fused.width == 152 and fused.gate.transposed == (ffn in ("transpose", "gemm"))
