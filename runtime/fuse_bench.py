@@ -1,0 +1,193 @@
+"""The scale benchmark of the fusion pass (issue 13), run by tools/bench_fuse.py.
+
+For each shape it builds an FFN-only synthetic model with external data, then measures side by side, each
+step in a fresh child process (runtime.peak_memory: wall time and the child's own peak RSS):
+
+- copying the model's files (the I/O floor the fusion is held to: at most 1.2x its time);
+- tools/fuse_onnx.py without validation (bound: 256 MB peak RSS, whatever the group size);
+- tools/fuse_onnx.py with validation (bound: 512 MB);
+- optionally FP8 quantization (scales given: calibration is an ONNX Runtime run of the whole model) and
+  tensor-parallel sharding at TP 8 of the unfused model (bound: 512 MB).
+
+Outputs are deleted after each step, so the disk holds about three copies of the model at most.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from runtime.peak_memory import Measured, measure, timed_copy
+
+ROOT = Path(__file__).resolve().parents[1]
+MB = 1 << 20
+FUSE_RSS_BOUND = 256 * MB
+VALIDATE_RSS_BOUND = 512 * MB
+STAGE_RSS_BOUND = 512 * MB
+TIME_BOUND = 1.2  # fusing, times the copy
+
+# The two shapes of issue 13: hidden, FFN width, blocks, blocks per group, dtype.
+SHAPES = {
+    "fp32-24x2048x8192-groups-of-4": (2048, 8192, 24, 4, "float32"),
+    "fp16-3x8192x28672-one-group": (8192, 28672, 3, 3, "float16"),
+}
+
+BUILD = """
+import sys
+from exporters import synthetic
+hidden, ffn, blocks, dtype, path = sys.argv[1:]
+blocks = [(False, int(ffn))] * int(blocks)
+spec = synthetic.SyntheticSpec(hidden=int(hidden), vocab=256, blocks=blocks, dtype=dtype)
+synthetic.build_synthetic(spec, path, external=True)
+"""
+
+
+@dataclass
+class Step:
+    name: str
+    seconds: float
+    peak_bytes: int
+    vs_copy: float
+    bound_bytes: int | None = None
+    time_bound: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        memory = self.bound_bytes is None or self.peak_bytes <= self.bound_bytes
+        return memory and (self.time_bound is None or self.vs_copy <= self.time_bound)
+
+
+@dataclass
+class ShapeResult:
+    shape: str
+    model_bytes: int
+    group_weight_bytes: int
+    steps: list[Step] = field(default_factory=list)
+
+
+def _checked(measured: Measured, what: str) -> Measured:
+    if measured.code != 0:
+        raise RuntimeError(f"{what} failed ({measured.code}): {measured.output[-800:]}")
+    return measured
+
+
+def _files(model: Path) -> list[Path]:
+    return [model, model.with_name(model.name + ".data")]
+
+
+def _size(model: Path) -> int:
+    return sum(p.stat().st_size for p in _files(model) if p.exists())
+
+
+def _remove(*paths: Path) -> None:
+    for path in paths:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            for file in _files(path):
+                file.unlink(missing_ok=True)
+
+
+def bench_shape(name: str, spec: tuple, work: Path, stages: bool, log=print) -> ShapeResult:
+    hidden, ffn, blocks, group, dtype = spec
+    folder = work / name
+    folder.mkdir(parents=True)
+    model = folder / "model.onnx"
+    log(f"{name}: building {blocks} FFNs of {hidden} x {ffn} ({dtype}, external data) ...")
+    build = [sys.executable, "-c", BUILD, *map(str, (hidden, ffn, blocks, dtype, model))]
+    subprocess.run(build, check=True, cwd=ROOT)
+    plan = folder / "plan.json"
+    groups = [[i, min(i + group, blocks) - 1] for i in range(0, blocks, group)]
+    plan.write_text(json.dumps({"groups": [g for g in groups if g[1] > g[0]], "norm": "fold"}))
+    itemsize = 4 if dtype == "float32" else 2
+    result = ShapeResult(name, _size(model), 3 * hidden * ffn * itemsize * group)
+    log(f"{name}: copying the files ...")
+    copy = _checked(timed_copy(_files(model), folder / "copy"), "copy")
+    _remove(folder / "copy")
+    result.steps.append(Step("copy", copy.seconds, copy.peak_bytes, 1.0))
+    fuse = ROOT / "tools" / "fuse_onnx.py"
+    runs = [
+        ("fuse", [model, plan, "--no-validate", "-o", folder / "f.onnx"], FUSE_RSS_BOUND, TIME_BOUND),
+        ("fuse + validation", [model, plan, "-o", folder / "f.onnx"], VALIDATE_RSS_BOUND, None),
+    ]
+    for step, args, bound, time_bound in runs:
+        log(f"{name}: {step} ...")
+        measured = _checked(measure(fuse, args), step)
+        _remove(folder / "f.onnx")
+        result.steps.append(
+            Step(
+                step,
+                measured.seconds,
+                measured.peak_bytes,
+                measured.seconds / copy.seconds,
+                bound,
+                time_bound,
+            )
+        )
+    if stages:
+        for step, target, args in (
+            ("FP8 quantization", "runtime.fuse_bench:fp8_step", [model, folder / "fp8.onnx"]),
+            (
+                "TP 8 sharding",
+                ROOT / "tools" / "shard_tp.py",
+                [model, "--tp", 8, "--out", folder / "tp8", "--quiet"],
+            ),
+        ):
+            log(f"{name}: {step} ...")
+            measured = _checked(measure(target, args), step)
+            _remove(folder / "fp8.onnx", folder / "tp8")
+            result.steps.append(
+                Step(
+                    step,
+                    measured.seconds,
+                    measured.peak_bytes,
+                    measured.seconds / copy.seconds,
+                    STAGE_RSS_BOUND,
+                )
+            )
+    _remove(folder)
+    return result
+
+
+def fp8_step() -> int:
+    """FP8 quantization of sys.argv[1] into sys.argv[2], with unit activation scales (no calibration)."""
+    from passes.fp8 import find_linears, quantize_fp8
+    from passes.model_io import load_model, save_model
+
+    source, target = Path(sys.argv[1]), Path(sys.argv[2])
+    model = load_model(source)
+    scales = {linear.activation.name: 1.0 for linear in find_linears(model.graph)}
+    quantize_fp8(model, scales)
+    save_model(model, target, external=True)
+    return 0
+
+
+def report(results: list[ShapeResult]) -> str:
+    lines = []
+    for result in results:
+        lines.append(
+            f"{result.shape}: model {result.model_bytes / 1e9:.2f} GB, "
+            f"largest group's weights {result.group_weight_bytes / MB:.0f} MB"
+        )
+        lines.append(f"  {'step':<20}{'seconds':>9}{'x copy':>8}{'peak RSS MB':>13}{'bound':>16}  ok")
+        for step in result.steps:
+            bound = []
+            if step.bound_bytes is not None:
+                bound.append(f"{step.bound_bytes / MB:.0f} MB")
+            if step.time_bound is not None:
+                bound.append(f"{step.time_bound}x")
+            lines.append(
+                f"  {step.name:<20}{step.seconds:>9.1f}{step.vs_copy:>8.2f}{step.peak_bytes / MB:>13.0f}"
+                f"{', '.join(bound):>16}  {'yes' if step.ok else 'NO'}"
+            )
+    return "\n".join(lines)
+
+
+def as_json(results: list[ShapeResult]) -> str:
+    return json.dumps(
+        [asdict(r) | {"steps": [asdict(s) | {"ok": s.ok} for s in r.steps]} for r in results], indent=1
+    )
