@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 from passes.blocks import Block, find_blocks, vocab_size
 from passes.errors import UserError
+from passes.graph_inputs import Signature
 from passes.model_io import load_model, load_proto
 
 FLOAT_TYPES = {
@@ -54,11 +55,9 @@ def session(proto: onnx.ModelProto, folder: Path, threads: int = 0) -> ort.Infer
 
 
 def input_feed(proto: onnx.ModelProto, tokens: np.ndarray) -> dict[str, np.ndarray]:
-    """The feed for a decoder whose one input is token ids ([batch, seq], or [seq] for flat models)."""
-    graph_input = proto.graph.input[0]
-    rank = len(graph_input.type.tensor_type.shape.dim)
-    tokens = np.asarray(tokens, dtype=np.int64)
-    return {graph_input.name: tokens.reshape(-1) if rank == 1 else tokens.reshape(-1, tokens.shape[-1])}
+    """Feeds for every graph input (passes/graph_inputs.py): the token ids ([batch, seq], or [seq] for flat
+    models), and for Optimum/GenAI/decode graphs an all-ones mask, positions and an empty KV cache."""
+    return Signature.of(proto).feeds(tokens)
 
 
 # ---------------------------------------------------------------------------------------------- graph cut
