@@ -148,6 +148,8 @@ class RankWorld:
         ins = [self.get(v) for v in node.inputs]
         if op in ATTENTION_OPS:
             return self._fused_attention(node, ins)
+        if op == "Split" and self.heads(node) is not None and self._splits_changed_axis(node, ins):
+            return self._split_packed(node, ins)
         self._check_axes(node, ins)
         if op == "Reshape":
             return [self._reshape(node, ins)]
@@ -194,6 +196,29 @@ class RankWorld:
             if full is not None and len(full) == 4:
                 outs[k] = Info((full[0], Dim(kv_r), full[2], full[3]))
         return outs
+
+    def _splits_changed_axis(self, node: ir.Node, ins: Sequence[Info]) -> bool:
+        rank = len(ins[0].shape) if ins and ins[0].shape is not None else None
+        changed = self._changed_axes(node.inputs[0])
+        return rank is not None and node_attr(node, "axis", 0) % rank in changed
+
+    def _split_packed(self, node: ir.Node, ins: Sequence[Info]) -> list[Info]:
+        """A packed qkv projection split into q, k, v ([H*hd, K*hd, K*hd] columns): the rank's sizes."""
+        heads = self.heads(node)
+        assert heads is not None
+        full_sizes = int_values(self.full.get(node.inputs[1])) if len(node.inputs) > 1 else None
+        big, kv = heads.full[0], heads.full[1]
+        if full_sizes is None or len(full_sizes) != 3 or sum(full_sizes) % (big + 2 * kv):
+            raise self._fail(node, "splits a sharded axis into pieces that are not q, k and v")
+        hd = sum(full_sizes) // (big + 2 * kv)
+        if full_sizes != [big * hd, kv * hd, kv * hd]:
+            raise self._fail(node, f"splits {full_sizes}, not q, k, v of {big}/{kv} heads of {hd}")
+        sizes = [heads.rank[0] * hd, heads.rank[1] * hd, heads.rank[1] * hd]
+        self.rewrites.append(ShapeRewrite(node, 1, list(sizes)))
+        x = ins[0].shape
+        assert x is not None
+        axis = node_attr(node, "axis", 0) % len(x)
+        return [Info(x[:axis] + (Dim(n),) + x[axis + 1 :]) for n in sizes]
 
     def _concat_axis_as_full(self, node: ir.Node, out: Info) -> Info:
         """No input changed along the Concat axis (checked), so that dim is the full model's (which

@@ -188,6 +188,7 @@ class TpStructure:
 def find_structure(model: ir.Model, world: World | None = None) -> TpStructure:
     """Walk the residual stream; UserError when the graph is not a decoder the pass can shard."""
     graph = model.graph
+    _refuse_block_quantized(graph)
     world = world if world is not None else World(graph).run()
     order = {node: i for i, node in enumerate(graph)}
     embedding = find_embedding(graph)
@@ -212,6 +213,18 @@ def find_structure(model: ir.Model, world: World | None = None) -> TpStructure:
             "added to the stream"
         )
     return TpStructure(embedding.node, branches, head)
+
+
+def _refuse_block_quantized(graph: ir.Graph) -> None:
+    """MatMulNBits (ONNX Runtime GenAI int4): slicing along N would be exact, but the row-parallel
+    projections split K, which must fall on quantization-block boundaries, and the zero points are
+    packed two blocks per byte; not done yet."""
+    found = next((n for n in graph if n.op_type == "MatMulNBits"), None)
+    if found is not None:
+        raise UserError(
+            f"MatMulNBits {found.name!r}: block-quantized (int4) weights cannot be tensor-parallel "
+            "sharded yet; shard the fp32/fp16 export (e.g. the GenAI builder with -p fp32) instead"
+        )
 
 
 def _linear_end(value: ir.Value | None) -> ir.Node | None:

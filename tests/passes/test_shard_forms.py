@@ -120,6 +120,7 @@ def test_recognizer_refuses_an_ffn(form) -> None:
 SHARDED_FORMS = [
     "dynamo_where",  # masked_fill (Where) mask, IsNaN -> Where guard, repeat_kv by Expand/Reshape
     "dynamo_repeat",  # repeat_interleave, additive mask
+    "dynamo_packed",  # one qkv projection split into q, k, v (split sizes rewritten per rank)
     "opset23_attention",  # the opset-23 Attention op (q_num_heads/kv_num_heads rewritten per rank)
     "torchscript",  # TorchScript (dynamo=False, opset 17): shape vectors built at run time
     "torchscript_repeat",  # TorchScript repeat_interleave: Tile
@@ -156,14 +157,44 @@ def test_fused_attention_op_gets_rank_heads(form, tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------------------ errors
 
 
-def test_unshardable_graph_is_one_line_error(form, tmp_path: Path) -> None:
-    """A packed qkv projection split on the sharded axis is refused with one line, exit 2, no output."""
-    with pytest.raises(UserError, match="Split node .* works along a sharded axis"):
-        shard_file(form("dynamo_packed"), 2, tmp_path / "a", progress=False)
+def _cli_error(model: Path, out: Path) -> str:
     run = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "shard_tp.py"), str(form("dynamo_packed")), "--tp", "4",
-         "--out", str(tmp_path / "b")],
-        capture_output=True, text=True,
-    )  # fmt: skip
-    assert run.returncode == 2 and run.stderr.startswith("error: ") and run.stderr.count("\n") == 1
-    assert not (tmp_path / "b" / "tp.json").exists()
+        [sys.executable, str(ROOT / "tools" / "shard_tp.py"), str(model), "--tp", "4", "--out", str(out)],
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 2 and run.stderr.startswith("error: ") and run.stderr.count("\n") == 1, (
+        run.stderr
+    )
+    assert not out.exists() or not any(out.iterdir())  # no partial output
+    return run.stderr
+
+
+def test_branch_reading_a_graph_input_is_one_line_error(form, tmp_path: Path) -> None:
+    """An FFN that reads a graph input (not a KV cache) cannot be split: one line, exit 2, no output."""
+    model = ir.load(form("dynamo_repeat"))
+    sigmoid = next(n for n in model.graph if n.op_type == "Sigmoid")
+    scale = ir.Value(name="scale", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([1]))
+    model.graph.inputs.append(scale)
+    mul = ir.node("Mul", [sigmoid.inputs[0], scale])
+    model.graph.insert_before(sigmoid, mul)
+    sigmoid.replace_input_with(0, mul.outputs[0])
+    path = tmp_path / "reads_input.onnx"
+    ir.save(model, path)
+    with pytest.raises(UserError, match="reads the graph input 'scale', which is not a KV cache"):
+        shard_file(path, 2, tmp_path / "a", progress=False)
+    assert "not a KV cache" in _cli_error(path, tmp_path / "b")
+
+
+def test_matmulnbits_is_refused_with_one_line(form, tmp_path: Path) -> None:
+    """GenAI-style int4 weights (ONNX Runtime's own MatMulNBits quantizer) are refused, not mis-sharded."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    quantizer = MatMulNBitsQuantizer(str(form("dynamo_repeat")), bits=4, block_size=32)
+    quantizer.process()
+    path = tmp_path / "int4.onnx"
+    quantizer.model.save_model_to_file(str(path))
+    assert "MatMulNBits" in {n.op_type for n in ir.load(path).graph}
+    with pytest.raises(UserError, match="MatMulNBits .* cannot be tensor-parallel sharded yet"):
+        shard_file(path, 2, tmp_path / "a", progress=False)
+    assert "MatMulNBits" in _cli_error(path, tmp_path / "b")
