@@ -22,7 +22,6 @@ ORT's MatMulNBits. A KV cache is a graph input that the branch concatenates with
 
 from __future__ import annotations
 
-import weakref
 from collections import deque
 from dataclasses import dataclass
 from itertools import accumulate
@@ -230,15 +229,16 @@ def _downstream_matmul(value: ir.Value, nodes: set[ir.Node]) -> ir.Node | None:
 # ------------------------------------------------------------------------------------------ shapes
 
 
-_WORLDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_SHAPES_KEY = "ffn_fusion.shapes"
 
 
 def graph_shapes(graph: ir.Graph) -> World:
-    """The symbolic shapes of `graph` (computed once per graph and node count)."""
-    cached = _WORLDS.get(graph)
+    """The symbolic shapes of `graph`, computed once per graph and node count (kept in the graph's own
+    metadata, so they go when the graph goes)."""
+    cached = graph.meta.get(_SHAPES_KEY)
     if cached is None or cached[0] != len(graph):
         cached = (len(graph), World(graph).run())
-        _WORLDS[graph] = cached
+        graph.meta[_SHAPES_KEY] = cached
     return cached[1]
 
 
