@@ -31,25 +31,36 @@ import os
 import shutil
 import struct
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import onnx_ir as ir
-import torch
 
-from exporters.hf_config import DTYPES, HfConfig, read_config
-from exporters.hf_model import build_meta_model, layer_kinds, parameter_aliases, rotary_buffers
-from exporters.onnx_export import EXAMPLE_SHAPE, ExportResult, _name_dims, quiet_export
+from exporters.hf_config import DTYPES, HfConfig, expected_tensors, layer_kinds, read_config
 from passes.errors import UserError
 from passes.model_io import commit_output, staged_output
+
+if TYPE_CHECKING:  # torch is imported only once the input has been checked (bad input fails fast)
+    import torch
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 # Copied beside the model when present: what a runtime needs to load and prompt it.
-SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-              "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
-              "chat_template.jinja", "chat_template.json")
+SIDE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 METADATA_KEY = "ffn_fusion.hf"
 ALIGNMENT = 4096  # external data offsets (page-aligned, so runtimes can memory-map each tensor)
 CHUNK_BYTES = 64 << 20  # rows converted at a time when the dtype changes
@@ -57,7 +68,6 @@ CHUNK_BYTES = 64 << 20  # rows converted at a time when the dtype changes
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 _SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
-_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _IR_DTYPES = {"float32": ir.DataType.FLOAT, "float16": ir.DataType.FLOAT16, "bfloat16": ir.DataType.BFLOAT16}
 
 
@@ -111,8 +121,10 @@ def open_checkpoint(folder: str | Path) -> Checkpoint:
     elif (folder / SINGLE_FILE).is_file():
         checkpoint.tensors = read_header(folder / SINGLE_FILE)
     else:
-        raise UserError(f"{folder}: no {SINGLE_FILE} and no {INDEX_FILE}; save the model with "
-                        "save_pretrained(..., safe_serialization=True)")
+        raise UserError(
+            f"{folder}: no {SINGLE_FILE} and no {INDEX_FILE}; save the model with "
+            "save_pretrained(..., safe_serialization=True)"
+        )
     return checkpoint
 
 
@@ -149,40 +161,54 @@ class WeightSource:
     shape: tuple[int, ...]
 
 
-def plan_weights(config: HfConfig, checkpoint: Checkpoint, model: torch.nn.Module) -> dict[str, WeightSource]:
-    """Map each parameter name (and its aliases) to the checkpoint tensor that fills it; check shapes.
+def plan_weights(config: HfConfig, checkpoint: Checkpoint) -> dict[str, WeightSource]:
+    """Map each tensor the model reads to the checkpoint tensor that fills it, checking every shape.
 
-    Raises UserError for a missing tensor, a shape that contradicts config.json, or an unexpected tensor.
+    A tied lm_head is also listed under "lm_head.weight" (the exporter may name the shared initializer
+    either way). Raises UserError for a missing tensor, a shape that contradicts config.json, or a tensor
+    that config.json has no place for.
     """
-    aliases = parameter_aliases(model)
-    shapes = {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
     sources: dict[str, WeightSource] = {}
-    for name, names in aliases.items():
-        found = [n for n in names if n in checkpoint.tensors]
-        if not found:
-            raise UserError(f"{checkpoint.folder}: tensor {name!r} is missing from the checkpoint "
-                            f"(config.json: {_field_of(config, name)})")
-        entry = checkpoint.tensors[found[0]]
-        if entry.shape != shapes[name]:
-            raise UserError(f"{entry.file}: tensor {entry.name!r} has shape {list(entry.shape)} but config.json "
-                            f"({_field_of(config, name)}) gives {list(shapes[name])}")
+    for name, (shape, config_field) in expected_tensors(config).items():
+        entry = checkpoint.tensors.get(name)
+        if entry is None:
+            raise UserError(
+                f"{checkpoint.folder}: tensor {name!r} is missing from the checkpoint "
+                f"(config.json field {config_field})"
+            )
+        if entry.shape != shape:
+            raise UserError(
+                f"{entry.file}: tensor {name!r} has shape {list(entry.shape)} but config.json "
+                f"(field {config_field}) gives {list(shape)}"
+            )
         if entry.dtype not in _SAFETENSORS_DTYPES:
-            raise UserError(f"{entry.file}: tensor {entry.name!r} has dtype {entry.dtype}; "
-                            f"expected one of {', '.join(_SAFETENSORS_DTYPES)}")
-        sources[name] = WeightSource(name, entry, shapes[name])
+            raise UserError(
+                f"{entry.file}: tensor {name!r} has dtype {entry.dtype}; "
+                f"expected one of {', '.join(_SAFETENSORS_DTYPES)}"
+            )
+        sources[name] = WeightSource(name, entry, shape)
+    if config.tie_embeddings:
+        embedding = sources["model.embed_tokens.weight"]
+        sources["lm_head.weight"] = WeightSource("lm_head.weight", embedding.entry, embedding.shape)
     used = {s.entry.name for s in sources.values()}
     dropped = _dropped_attention_tensors(config)
     for name, entry in checkpoint.tensors.items():
         if name not in used and name not in dropped and not name.endswith(IGNORED_SUFFIXES):
-            raise UserError(f"{entry.file}: tensor {name!r} has no place in the model config.json describes "
-                            f"({_field_of(config, name)})")
+            if name == "lm_head.weight" and config.tie_embeddings:
+                continue  # some tied checkpoints store the copy too; the embedding is the one read
+            raise UserError(
+                f"{entry.file}: tensor {name!r} has no place in the model config.json describes "
+                f"(field {_field_of(config, name)})"
+            )
     return sources
 
 
 def _dropped_attention_tensors(config: HfConfig) -> set[str]:
     """Attention tensors of layers whose attention exporters.hf_folder dropped (o_proj zero): unused."""
     dropped = config.raw.get("ffn_fusion_dropped_attention") or []
-    names = {"input_layernorm.weight"} | {f"self_attn.{p}_proj.{k}" for p in "qkvo" for k in ("weight", "bias")}
+    names = {"input_layernorm.weight"} | {
+        f"self_attn.{p}_proj.{k}" for p in "qkvo" for k in ("weight", "bias")
+    }
     return {f"model.layers.{i}.{n}" for i in dropped for n in names}
 
 
@@ -207,33 +233,61 @@ def _field_of(config: HfConfig, name: str) -> str:
 
 
 @dataclass
-class HfExportResult(ExportResult):
-    """ExportResult plus the checkpoint's description."""
+class HfExportResult:
+    """What `export_hf` wrote (the fields of exporters.onnx_export.ExportResult, and the checkpoint's)."""
 
-    config: HfConfig | None = None
-    dtype: str = ""
+    path: Path
+    files: list[Path]
+    bytes: int
+    seconds: float
+    parameters: int
+    opset: int
+    attention: list[bool]
+    config: HfConfig
+    dtype: str
     side_files: list[Path] = field(default_factory=list)
     layer_kinds: list[str] = field(default_factory=list)
+    trace_seconds: float = 0.0  # building the graph (torch.onnx.export and its optimizer)
+    write_seconds: float = 0.0  # streaming the weights into the data file
 
 
-def export_hf(folder: str | os.PathLike, output: str | os.PathLike, *, dtype: str | None = None,
-              opset: int | None = None) -> HfExportResult:
-    """Export the checkpoint in `folder` to `output` (+ `<output>.data` and the side files beside it).
-
-    `dtype` (float32 | float16 | bfloat16) defaults to the checkpoint's torch_dtype. Raises UserError for
-    bad input before anything is written.
-    """
-    start = time.perf_counter()
-    folder, output = Path(folder), Path(output)
+def check_folder(
+    folder: str | os.PathLike, dtype: str | None = None
+) -> tuple[HfConfig, dict[str, WeightSource], str]:
+    """Read and check config.json and the safetensors headers (no torch): config, weight plan, dtype."""
+    folder = Path(folder)
     config = read_config(folder)
     dtype = dtype or config.dtype
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
-    checkpoint = open_checkpoint(folder)
-    model = build_meta_model(config, _TORCH_DTYPES[dtype])
-    sources = plan_weights(config, checkpoint, model)
+    return config, plan_weights(config, open_checkpoint(folder)), dtype
+
+
+def export_hf(
+    folder: str | os.PathLike,
+    output: str | os.PathLike,
+    *,
+    dtype: str | None = None,
+    opset: int | None = None,
+    log: Callable[[str], None] = lambda message: None,
+) -> HfExportResult:
+    """Export the checkpoint in `folder` to `output` (+ `<output>.data` and the side files beside it).
+
+    `dtype` (float32 | float16 | bfloat16) defaults to the checkpoint's torch_dtype. Raises UserError for
+    bad input before anything is written (and before torch is imported).
+    """
+    start = time.perf_counter()
+    folder, output = Path(folder), Path(output)
+    config, sources, dtype = check_folder(folder, dtype)
+    log(f"exporting {folder} to {output} ({dtype}; weights streamed from the safetensors) ...")
+    from exporters.hf_model import TORCH_DTYPES, build_meta_model
+
+    model = build_meta_model(config, TORCH_DTYPES[dtype])
+    _check_model_against_plan(model, sources)
+    traced = time.perf_counter()
     onnx_model = trace(model, config, opset)
     onnx_model.metadata_props[METADATA_KEY] = json.dumps(describe(config, folder, dtype))
+    written = time.perf_counter()
     with staged_output(output) as staging:
         staged = staging / output.name
         write_weights(onnx_model, sources, staged, _IR_DTYPES[dtype])
@@ -244,27 +298,62 @@ def export_hf(folder: str | os.PathLike, output: str | os.PathLike, *, dtype: st
         for path in side:
             os.replace(path, output.parent / path.name)
         commit_output(staged, output)
+    done = time.perf_counter()
     data = output.with_name(f"{output.name}.data")
     files = [output, data]
     parameters = sum(p.numel() for p in model.parameters())
     return HfExportResult(
-        path=output, files=files, bytes=sum(f.stat().st_size for f in files), seconds=time.perf_counter() - start,
-        parameters=parameters, opset=onnx_model.opset_imports.get("", 0), attention=config.attention_flags,
-        config=config, dtype=dtype, side_files=[output.parent / p.name for p in side],
-        layer_kinds=layer_kinds(config))
+        path=output,
+        files=files,
+        bytes=sum(f.stat().st_size for f in files),
+        seconds=time.perf_counter() - start,
+        parameters=parameters,
+        opset=onnx_model.opset_imports.get("", 0),
+        attention=config.attention_flags,
+        config=config,
+        dtype=dtype,
+        side_files=[output.parent / p.name for p in side],
+        layer_kinds=layer_kinds(config),
+        trace_seconds=written - traced,
+        write_seconds=done - written,
+    )
+
+
+def _check_model_against_plan(model: torch.nn.Module, sources: dict[str, WeightSource]) -> None:
+    """The torch model and config-derived tensor list must agree (a bug otherwise, not bad input)."""
+    for name, param in model.named_parameters(remove_duplicate=False):
+        source = sources.get(name)
+        if source is None or tuple(param.shape) != source.shape:
+            raise RuntimeError(
+                f"internal error: model parameter {name!r} {list(param.shape)} does not match "
+                "exporters.hf_config.expected_tensors"
+            )
 
 
 def trace(model: torch.nn.Module, config: HfConfig, opset: int | None) -> ir.Model:
     """The optimized graph of the meta model; weight initializers keep their names and have no value."""
+    import torch
+
+    from exporters.hf_model import parameter_aliases, rotary_buffers
+    from exporters.onnx_export import EXAMPLE_SHAPE, _name_dims, quiet_export
+
     example = torch.zeros(EXAMPLE_SHAPE, dtype=torch.int64, device="meta")
     parameters = set(parameter_aliases(model))
     buffers = rotary_buffers(config)
     with quiet_export() as printed, torch.no_grad(), _quiet_logger("onnx_ir"):
         try:
             program = torch.onnx.export(
-                model, (example,), dynamo=True, opset_version=opset, optimize=False,
-                input_names=["input_ids"], output_names=["logits"],
-                dynamic_shapes={"input_ids": {0: "batch", 1: "seq"}}, verbose=False, report=False)
+                model,
+                (example,),
+                dynamo=True,
+                opset_version=opset,
+                optimize=False,
+                input_names=["input_ids"],
+                output_names=["logits"],
+                dynamic_shapes={"input_ids": {0: "batch", 1: "seq"}},
+                verbose=False,
+                report=False,
+            )
         except Exception as exc:
             raise RuntimeError(f"torch.onnx.export failed: {exc}\n{printed.getvalue()}") from exc
         for name, value in program.model.graph.initializers.items():
@@ -322,7 +411,14 @@ def write_weights(model: ir.Model, sources: dict[str, WeightSource], path: Path,
             offset = -(-offset // ALIGNMENT) * ALIGNMENT
             length = _write_tensor(fd, offset, source.entry, dtype)
             value.const_value = ir.ExternalTensor(
-                data_name, offset, length, dtype, shape=ir.Shape(source.shape), name=name, base_dir=path.parent)
+                data_name,
+                offset,
+                length,
+                dtype,
+                shape=ir.Shape(source.shape),
+                name=name,
+                base_dir=path.parent,
+            )
             offset += length
         os.ftruncate(fd, offset)
     finally:
@@ -334,7 +430,7 @@ def _write_tensor(fd: int, offset: int, entry: TensorEntry, dtype: ir.DataType) 
     """Copy one checkpoint tensor to `fd` at `offset` in `dtype`; returns the bytes written."""
     if _IR_DTYPES[_SAFETENSORS_DTYPES[entry.dtype]] == dtype:
         return _copy_range(entry.file, entry.start, entry.end - entry.start, fd, offset)
-    return _convert(entry, fd, offset, _TORCH_DTYPES[_dtype_name(dtype)])
+    return _convert(entry, fd, offset, _dtype_name(dtype))
 
 
 def _dtype_name(dtype: ir.DataType) -> str:
@@ -359,10 +455,14 @@ def _copy_range(source: Path, start: int, length: int, fd: int, offset: int) -> 
     return length
 
 
-def _convert(entry: TensorEntry, fd: int, offset: int, dtype: torch.dtype) -> int:
+def _convert(entry: TensorEntry, fd: int, offset: int, dtype_name: str) -> int:
     """Convert in row chunks read through safetensors' get_slice (memory-mapped)."""
+    import torch
     from safetensors import safe_open
 
+    from exporters.hf_model import TORCH_DTYPES
+
+    dtype = TORCH_DTYPES[dtype_name]
     rows = entry.shape[0] if entry.shape else 1
     row_bytes = max(1, (entry.end - entry.start) // max(rows, 1))
     step = max(1, CHUNK_BYTES // row_bytes)
@@ -370,7 +470,7 @@ def _convert(entry: TensorEntry, fd: int, offset: int, dtype: torch.dtype) -> in
     with safe_open(str(entry.file), framework="pt") as f:
         tensor_slice = f.get_slice(entry.name)
         for first in range(0, rows, step):
-            chunk = tensor_slice[first:first + step] if entry.shape else f.get_tensor(entry.name)
+            chunk = tensor_slice[first : first + step] if entry.shape else f.get_tensor(entry.name)
             data = chunk.to(dtype).contiguous().view(torch.uint8).numpy()
             written += os.pwrite(fd, memoryview(data).cast("B"), offset + written)
     return written

@@ -35,8 +35,13 @@ FFN_GRANULARITY = 256
 ATTENTION_FIELDS = {"no_op", "replace_with_linear", "n_heads_in_group"}
 FFN_FIELDS = {"no_op", "replace_with_linear", "ffn_mult"}
 NEUTRAL_FIELDS = {
-    "attention": {"sparsify": None, "num_sink_tokens": None, "unshifted_sink": False,
-                  "use_prefill_window_in_sink_attention": False, "window_length": None},
+    "attention": {
+        "sparsify": None,
+        "num_sink_tokens": None,
+        "unshifted_sink": False,
+        "use_prefill_window_in_sink_attention": False,
+        "window_length": None,
+    },
     "ffn": {"sparsify": None},
 }
 
@@ -106,6 +111,47 @@ class HfConfig:
         return [layer.attention != "none" for layer in self.layers]
 
 
+def expected_tensors(config: HfConfig) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every checkpoint tensor the model reads: name -> (shape, the config.json field that sets it)."""
+    hidden, head_dim = config.hidden, config.head_dim
+    vocab_field = "vocab_size, hidden_size"
+    tensors = {"model.embed_tokens.weight": ((config.vocab, hidden), vocab_field)}
+    for i, layer in enumerate(config.layers):
+        prefix = f"model.layers.{i}"
+        a_field = layer.attention_field if config.is_deci else "num_key_value_heads, head_dim, hidden_size"
+        f_field = layer.ffn_field if config.is_deci else "intermediate_size, hidden_size"
+        if layer.attention != "none":
+            tensors[f"{prefix}.input_layernorm.weight"] = ((hidden,), "hidden_size")
+        if layer.attention == "linear":
+            tensors[f"{prefix}.self_attn.linear_attn.weight"] = ((hidden, hidden), a_field)
+        elif layer.attention == "gqa":
+            widths = {
+                "q": config.heads * head_dim,
+                "k": layer.kv_heads * head_dim,
+                "v": layer.kv_heads * head_dim,
+            }
+            for p, width in widths.items():
+                tensors[f"{prefix}.self_attn.{p}_proj.weight"] = ((width, hidden), a_field)
+                if config.qkv_bias:
+                    tensors[f"{prefix}.self_attn.{p}_proj.bias"] = ((width,), a_field + ", attention_bias")
+            tensors[f"{prefix}.self_attn.o_proj.weight"] = ((hidden, widths["q"]), a_field)
+            if config.o_bias:
+                tensors[f"{prefix}.self_attn.o_proj.bias"] = ((hidden,), "attention_bias")
+        if layer.ffn != "none":
+            tensors[f"{prefix}.post_attention_layernorm.weight"] = ((hidden,), "hidden_size")
+        if layer.ffn == "linear":
+            tensors[f"{prefix}.mlp.linear_mlp.weight"] = ((hidden, hidden), f_field)
+        elif layer.ffn == "swiglu":
+            width = layer.ffn_width
+            tensors[f"{prefix}.mlp.gate_proj.weight"] = ((width, hidden), f_field)
+            tensors[f"{prefix}.mlp.up_proj.weight"] = ((width, hidden), f_field)
+            tensors[f"{prefix}.mlp.down_proj.weight"] = ((hidden, width), f_field)
+    tensors["model.norm.weight"] = ((hidden,), "hidden_size")
+    if not config.tie_embeddings:
+        tensors["lm_head.weight"] = ((config.vocab, hidden), vocab_field + ", tie_word_embeddings")
+    return tensors
+
+
 def ffn_width(ffn_mult: float, hidden: int) -> int:
     """DeciLM's SwiGLU width (DESIGN 7): int(2 * ffn_mult * hidden / 3) rounded up to a multiple of 256."""
     return math.ceil(int(2 * ffn_mult * hidden / 3) / FFN_GRANULARITY) * FFN_GRANULARITY
@@ -152,8 +198,9 @@ def read_config(folder: str | Path) -> HfConfig:
     """Parse `folder/config.json`; raises UserError naming the field for anything not understood."""
     path = Path(folder) / "config.json"
     if not path.is_file():
-        raise UserError(f"{path} not found: --hf takes a Hugging Face model folder (config.json, "
-                        "*.safetensors)")
+        raise UserError(
+            f"{path} not found: --hf takes a Hugging Face model folder (config.json, *.safetensors)"
+        )
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -167,8 +214,9 @@ def read_config(folder: str | Path) -> HfConfig:
     architecture = architectures[0]
     if architecture not in LLAMA_FAMILY and architecture != DECI:
         known = ", ".join([*LLAMA_FAMILY, DECI])
-        raise r.fail("architectures", f"names {architecture!r}, which this exporter does not know "
-                                      f"(known: {known})")
+        raise r.fail(
+            "architectures", f"names {architecture!r}, which this exporter does not know (known: {known})"
+        )
     if data.get("hidden_act", "silu") != "silu":
         raise r.fail("hidden_act", f"is {data['hidden_act']!r}; only SwiGLU (silu) FFNs are supported")
     if data.get("mlp_bias"):
@@ -183,9 +231,19 @@ def read_config(folder: str | Path) -> HfConfig:
     if dtype not in DTYPES:
         raise r.fail("torch_dtype", f"is {dtype!r}; expected one of {', '.join(DTYPES)}")
     config = HfConfig(
-        path=path, architecture=architecture, model_type=str(data.get("model_type", "")), hidden=hidden,
-        heads=heads, head_dim=head_dim, vocab=r.int("vocab_size"), eps=r.float("rms_norm_eps"),
-        rope=_rope(r), tie_embeddings=r.bool("tie_word_embeddings", False), dtype=dtype, raw=data)
+        path=path,
+        architecture=architecture,
+        model_type=str(data.get("model_type", "")),
+        hidden=hidden,
+        heads=heads,
+        head_dim=head_dim,
+        vocab=r.int("vocab_size"),
+        eps=r.float("rms_norm_eps"),
+        rope=_rope(r),
+        tie_embeddings=r.bool("tie_word_embeddings", False),
+        dtype=dtype,
+        raw=data,
+    )
     if architecture == DECI:
         config.layers = _deci_layers(r, config)
     else:
@@ -205,26 +263,46 @@ def _rope(r: _Reader) -> RopeConfig:
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         raise r.fail(f"{name}.rope_type", f"is {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
-    theta = r.float(f"{name}.rope_theta", None, params) if params.get("rope_theta") is not None else \
-        r.float("rope_theta", 10000.0)
+    theta = (
+        r.float(f"{name}.rope_theta", None, params)
+        if params.get("rope_theta") is not None
+        else r.float("rope_theta", 10000.0)
+    )
     max_positions = r.int("max_position_embeddings", 2048)
     if rope_type == "default":
         return RopeConfig("default", theta, max_positions=max_positions)
-    factor = r.float(f"{name}.factor", ..., params) if rope_type != "yarn" else \
-        r.float(f"{name}.factor", None, params) if params.get("factor") is not None else None
-    original = r.int(f"{name}.original_max_position_embeddings",
-                     r.data.get("original_max_position_embeddings") or max_positions, params)
+    factor = (
+        r.float(f"{name}.factor", ..., params)
+        if rope_type != "yarn"
+        else r.float(f"{name}.factor", None, params)
+        if params.get("factor") is not None
+        else None
+    )
+    original = r.int(
+        f"{name}.original_max_position_embeddings",
+        r.data.get("original_max_position_embeddings") or max_positions,
+        params,
+    )
     if factor is None:  # yarn without a factor: transformers derives it
         factor = max_positions / original
-    optional = {k: r.float(f"{name}.{k}", None, params, positive=False)
-                for k in ("mscale", "mscale_all_dim", "attention_factor") if params.get(k) is not None}
+    optional = {
+        k: r.float(f"{name}.{k}", None, params, positive=False)
+        for k in ("mscale", "mscale_all_dim", "attention_factor")
+        if params.get(k) is not None
+    }
     return RopeConfig(
-        rope_type, theta, factor=factor,
+        rope_type,
+        theta,
+        factor=factor,
         low_freq_factor=r.float(f"{name}.low_freq_factor", 1.0, params),
         high_freq_factor=r.float(f"{name}.high_freq_factor", 4.0, params),
-        original_max_positions=original, max_positions=max_positions,
-        beta_fast=r.float(f"{name}.beta_fast", 32.0, params), beta_slow=r.float(f"{name}.beta_slow", 1.0, params),
-        truncate=r.bool(f"{name}.truncate", True, params), **optional)
+        original_max_positions=original,
+        max_positions=max_positions,
+        beta_fast=r.float(f"{name}.beta_fast", 32.0, params),
+        beta_slow=r.float(f"{name}.beta_slow", 1.0, params),
+        truncate=r.bool(f"{name}.truncate", True, params),
+        **optional,
+    )
 
 
 def _llama_layers(r: _Reader, config: HfConfig) -> list[LayerConfig]:
@@ -246,8 +324,10 @@ def _sliding_windows(r: _Reader, n_layers: int) -> list[int | None]:
             window = None
         if types is None:
             first = r.data.get("max_window_layers", n_layers)
-            types = ["sliding_attention" if window is not None and i >= first else "full_attention"
-                     for i in range(n_layers)]
+            types = [
+                "sliding_attention" if window is not None and i >= first else "full_attention"
+                for i in range(n_layers)
+            ]
     if window is None:
         return [None] * n_layers
     window = r.int("sliding_window", window)
@@ -284,8 +364,9 @@ def _deci_layer(r: _Reader, config: HfConfig, index: int, block: Any) -> LayerCo
     else:
         group = r.int(f"{a_field}.n_heads_in_group", ..., attention)
         if config.heads % group:
-            raise r.fail(f"{a_field}.n_heads_in_group",
-                         f"= {group} must divide num_attention_heads = {config.heads}")
+            raise r.fail(
+                f"{a_field}.n_heads_in_group", f"= {group} must divide num_attention_heads = {config.heads}"
+            )
         kv_heads = config.heads // group
     width, ffn_kind = 0, "swiglu"
     if r.bool(f"{f_field}.no_op", False, ffn):
@@ -294,8 +375,15 @@ def _deci_layer(r: _Reader, config: HfConfig, index: int, block: Any) -> LayerCo
         ffn_kind = "linear"
     else:
         width = ffn_width(r.float(f"{f_field}.ffn_mult", ..., ffn), config.hidden)
-    return LayerConfig(attention_kind, kv_heads, ffn_kind, width, None,
-                       attention_field=f"{a_field}.n_heads_in_group", ffn_field=f"{f_field}.ffn_mult")
+    return LayerConfig(
+        attention_kind,
+        kv_heads,
+        ffn_kind,
+        width,
+        None,
+        attention_field=f"{a_field}.n_heads_in_group",
+        ffn_field=f"{f_field}.ffn_mult",
+    )
 
 
 def _sub_block(r: _Reader, where: str, kind: str, data: Any, fields: set[str]) -> dict[str, Any]:
@@ -306,7 +394,9 @@ def _sub_block(r: _Reader, where: str, kind: str, data: Any, fields: set[str]) -
         if key in fields:
             continue
         if key not in neutral:
-            raise r.fail(f"{where}.{kind}.{key}", f"is unknown; known fields: {sorted(fields | set(neutral))}")
+            raise r.fail(
+                f"{where}.{kind}.{key}", f"is unknown; known fields: {sorted(fields | set(neutral))}"
+            )
         if value != neutral[key]:
             raise r.fail(f"{where}.{kind}.{key}", f"= {value!r} is not supported (only {neutral[key]!r})")
     return data
@@ -315,10 +405,22 @@ def _sub_block(r: _Reader, where: str, kind: str, data: Any, fields: set[str]) -
 def _drop_attention(r: _Reader, config: HfConfig) -> None:
     """Layers listed under DROPPED_ATTENTION_KEY (exporters.hf_folder) lose attention and its input norm."""
     dropped = r.data.get(DROPPED_ATTENTION_KEY) or []
-    if not isinstance(dropped, list) or any(not isinstance(i, int) or not 0 <= i < len(config.layers)
-                                            for i in dropped):
+    if not isinstance(dropped, list) or any(
+        not isinstance(i, int) or not 0 <= i < len(config.layers) for i in dropped
+    ):
         raise r.fail(DROPPED_ATTENTION_KEY, f"must list layer numbers 0-{len(config.layers) - 1}")
     for i in dropped:
         layer = config.layers[i]
-        config.layers[i] = LayerConfig("none", 0, layer.ffn, layer.ffn_width, None,
-                                       layer.attention_field, layer.ffn_field)
+        config.layers[i] = LayerConfig(
+            "none", 0, layer.ffn, layer.ffn_width, None, layer.attention_field, layer.ffn_field
+        )
+
+
+def layer_kinds(config: HfConfig) -> list[str]:
+    """Per layer, a short description: 'gqa(kv=8)+swiglu(28672)', 'none+linear', ..."""
+    kinds = []
+    for layer in config.layers:
+        attention = f"gqa(kv={layer.kv_heads})" if layer.attention == "gqa" else layer.attention
+        ffn = f"swiglu({layer.ffn_width})" if layer.ffn == "swiglu" else layer.ffn
+        kinds.append(f"{attention}+{ffn}")
+    return kinds

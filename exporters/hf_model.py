@@ -22,6 +22,7 @@ from torch import nn
 from exporters.hf_config import HfConfig, LayerConfig, RopeConfig
 from exporters.llama import MLP, Attention, RMSNorm
 
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Buffers whose values the exporter computes (everything else in the graph comes from the checkpoint).
 ROTARY_PREFIX = "model.rotary_emb."
 
@@ -40,13 +41,15 @@ class HfAttention(Attention):
 
 
 class LinearAttention(nn.Module):
-    """DeciLM attention replace_with_linear: one hidden x hidden Linear (checkpoint key self_attn.linear_attn)."""
+    """DeciLM attention replace_with_linear: one hidden x hidden Linear (key self_attn.linear_attn)."""
 
     def __init__(self, hidden: int) -> None:
         super().__init__()
         self.linear_attn = nn.Linear(hidden, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
         return self.linear_attn(x)
 
 
@@ -62,21 +65,27 @@ class LinearMLP(nn.Module):
 
 
 class HfBlock(nn.Module):
-    """[input_layernorm -> attention -> add] unless attention is no_op; [post norm -> FFN -> add] unless no_op."""
+    """[input_layernorm -> attention -> add] unless no_op, then [post norm -> FFN -> add] unless no_op."""
 
     def __init__(self, config: HfConfig, layer: LayerConfig) -> None:
         super().__init__()
         self.window = layer.sliding_window
         if layer.attention != "none":
             self.input_layernorm = RMSNorm(config.hidden, config.eps)
-            self.self_attn = (HfAttention(config, layer.kv_heads) if layer.attention == "gqa"
-                              else LinearAttention(config.hidden))
+            self.self_attn = (
+                HfAttention(config, layer.kv_heads)
+                if layer.attention == "gqa"
+                else LinearAttention(config.hidden)
+            )
         if layer.ffn != "none":
             self.post_attention_layernorm = RMSNorm(config.hidden, config.eps)
-            self.mlp = MLP(config.hidden, layer.ffn_width) if layer.ffn == "swiglu" else LinearMLP(config.hidden)
+            self.mlp = (
+                MLP(config.hidden, layer.ffn_width) if layer.ffn == "swiglu" else LinearMLP(config.hidden)
+            )
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                masks: dict[int | None, torch.Tensor]) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, masks: dict[int | None, torch.Tensor]
+    ) -> torch.Tensor:
         if hasattr(self, "self_attn"):
             x = x + self.self_attn(self.input_layernorm(x), cos, sin, masks[self.window])
         if hasattr(self, "mlp"):
@@ -90,7 +99,7 @@ def rope_parameters(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, floa
     For dynamic NTK these are the unscaled frequencies; RotaryEmbedding rescales the base in the graph.
     """
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    inv_freq = 1.0 / (rope.theta ** exponents)
+    inv_freq = 1.0 / (rope.theta**exponents)
     if rope.rope_type == "linear":
         return inv_freq / rope.factor, 1.0
     if rope.rope_type == "llama3":
@@ -106,7 +115,8 @@ def _llama3(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
     smooth = (rope.original_max_positions / wavelen - rope.low_freq_factor) / (
-        rope.high_freq_factor - rope.low_freq_factor)
+        rope.high_freq_factor - rope.low_freq_factor
+    )
     smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
     medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
     return torch.where(medium, smoothed, scaled)
@@ -119,12 +129,16 @@ def _yarn(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
     factor = rope.factor
     attention_factor = rope.attention_factor
     if attention_factor is None:
-        attention_factor = (mscale(factor, rope.mscale) / mscale(factor, rope.mscale_all_dim)
-                            if rope.mscale and rope.mscale_all_dim else mscale(factor))
+        attention_factor = (
+            mscale(factor, rope.mscale) / mscale(factor, rope.mscale_all_dim)
+            if rope.mscale and rope.mscale_all_dim
+            else mscale(factor)
+        )
 
     def correction_dim(rotations: float) -> float:
         return (dim * math.log(rope.original_max_positions / (rotations * 2 * math.pi))) / (
-            2 * math.log(rope.theta))
+            2 * math.log(rope.theta)
+        )
 
     low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
     if rope.truncate:
@@ -154,15 +168,19 @@ class RotaryEmbedding(nn.Module):
         inv_freq = self.inv_freq if self.rope.rope_type != "dynamic" else self._dynamic(positions)
         freqs = positions[:, None] * inv_freq[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)
-        return ((angles.cos() * self.attention_factor)[None, None],
-                (angles.sin() * self.attention_factor)[None, None])
+        return (
+            (angles.cos() * self.attention_factor)[None, None],
+            (angles.sin() * self.attention_factor)[None, None],
+        )
 
     def _dynamic(self, positions: torch.Tensor) -> torch.Tensor:
         # transformers' dynamic NTK for a fresh model: base grows once seq passes max_position_embeddings.
         rope, dim = self.rope, self.head_dim
         seq = torch.clamp(positions[-1:] + 1, min=float(rope.max_positions))
-        base = rope.theta * ((rope.factor * seq / rope.max_positions) - (rope.factor - 1)) ** (dim / (dim - 2))
-        return 1.0 / (base ** self.exponents)
+        base = rope.theta * ((rope.factor * seq / rope.max_positions) - (rope.factor - 1)) ** (
+            dim / (dim - 2)
+        )
+        return 1.0 / (base**self.exponents)
 
 
 class HfBackbone(nn.Module):
@@ -231,13 +249,3 @@ def parameter_aliases(model: nn.Module) -> dict[str, list[str]]:
     for name, param in model.named_parameters(remove_duplicate=False):
         by_id.setdefault(id(param), []).append(name)
     return {name: names for names in by_id.values() for name in names}
-
-
-def layer_kinds(config: HfConfig) -> list[str]:
-    """Per layer, a short description: 'attention(kv=8)+swiglu(28672)', 'none+linear', ..."""
-    kinds = []
-    for layer in config.layers:
-        attention = f"gqa(kv={layer.kv_heads})" if layer.attention == "gqa" else layer.attention
-        ffn = f"swiglu({layer.ffn_width})" if layer.ffn == "swiglu" else layer.ffn
-        kinds.append(f"{attention}+{ffn}")
-    return kinds

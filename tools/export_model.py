@@ -93,10 +93,10 @@ def _check_options(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _check_options(args)
+    if args.hf:
+        return export_hf_folder(args)
     from exporters import decode, onnx_export, spec
 
-    if args.hf:
-        return export_hf_folder(args, spec)
     if args.decode:
         return export_decode_graph(args, decode, spec)
     notice = f"exporting to {args.output} (from seconds to a few minutes) ..."
@@ -123,15 +123,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def export_hf_folder(args: argparse.Namespace, spec) -> int:
-    from exporters import hf_checkpoint
+def export_hf_folder(args: argparse.Namespace) -> int:
+    from exporters import hf_checkpoint, spec
 
     if args.decode:
-        print(f"exporting the decode graph of {args.hf} to {args.output} ...", file=sys.stderr)
-        result = hf_checkpoint.export_hf_decode(args.hf, args.output, dtype=args.dtype, opset=args.opset)
-    else:
-        print(f"exporting {args.hf} to {args.output} (weights streamed from the safetensors) ...", file=sys.stderr)
-        result = hf_checkpoint.export_hf(args.hf, args.output, dtype=args.dtype, opset=args.opset)
+        raise UserError("--decode with --hf is not supported yet: export the prefill graph (without "
+                        "--decode), or a decode graph with --smollm2/--spec")
+    result = hf_checkpoint.export_hf(args.hf, args.output, dtype=args.dtype, opset=args.opset,
+                                     log=lambda message: print(message, file=sys.stderr, flush=True))
     config = result.config
     files = " + ".join(str(f) for f in result.files)
     print(f"wrote {files} ({result.bytes / 2**20:.1f} MiB, {result.dtype}, opset {result.opset}, "
@@ -141,6 +140,7 @@ def export_hf_folder(args: argparse.Namespace, spec) -> int:
     print(f"  blocks: {len(config.layers)}, with attention: {sum(config.attention_flags)}")
     print(f"  attention-free runs: {spec.format_runs(spec.attention_free_runs(config.attention_flags))}")
     print(f"  parameters: {result.parameters:,}")
+    print(f"  time: graph {result.trace_seconds:.1f} s, weights {result.write_seconds:.1f} s")
     return 0
 
 

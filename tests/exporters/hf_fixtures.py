@@ -1,28 +1,36 @@
-"""Tiny Hugging Face checkpoints written the way their publishers write them (for tests and benchmarks).
+"""Tiny Hugging Face checkpoints written the way their publishers write them.
 
 - `save_llama_family`: a random LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM saved by
   transformers' own `save_pretrained` (sharded with an index when `max_shard_size` is given).
-- `write_nemotron`: a random DeciLMForCausalLM / nemotron-nas checkpoint in the published layout
-  (DESIGN 7): config.json with block_configs, bf16 safetensors shards, model.safetensors.index.json.
-  Written tensor by tensor, so it also makes multi-GB checkpoints for tools/bench_export.py.
+- nemotron-nas (DeciLM) checkpoints in the published layout: exporters.hf_synthetic (re-exported here;
+  tools/bench_export.py uses it too).
 """
 
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
 import torch
 
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8192}
+from exporters.hf_synthetic import (  # noqa: F401  (re-exported for the tests)
+    LLAMA3_ROPE,
+    deci_block,
+    nemotron_config,
+    nemotron_shapes,
+    write_nemotron,
+)
 
 
-def save_llama_family(folder: Path, architecture: str = "LlamaForCausalLM", seed: int = 0,
-                      max_shard_size: str | None = None, drop_attention: tuple[int, ...] = (),
-                      **overrides: Any) -> Path:
+def save_llama_family(
+    folder: Path,
+    architecture: str = "LlamaForCausalLM",
+    seed: int = 0,
+    max_shard_size: str | None = None,
+    drop_attention: tuple[int, ...] = (),
+    **overrides: Any,
+) -> Path:
     """A tiny random model of `architecture` saved with save_pretrained (float32 unless dtype given).
 
     `drop_attention` zeroes those layers' o_proj and lists them in config.json the way
@@ -30,11 +38,23 @@ def save_llama_family(folder: Path, architecture: str = "LlamaForCausalLM", seed
     """
     import transformers
 
-    kinds = {"LlamaForCausalLM": "LlamaConfig", "MistralForCausalLM": "MistralConfig",
-             "Qwen2ForCausalLM": "Qwen2Config"}
-    settings = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-                    num_key_value_heads=2, vocab_size=128, max_position_embeddings=256, rms_norm_eps=1e-5,
-                    tie_word_embeddings=False, initializer_range=0.1)
+    kinds = {
+        "LlamaForCausalLM": "LlamaConfig",
+        "MistralForCausalLM": "MistralConfig",
+        "Qwen2ForCausalLM": "Qwen2Config",
+    }
+    settings = dict(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        initializer_range=0.1,
+    )
     settings.update(overrides)
     dtype = settings.pop("dtype", torch.float32)
     config = getattr(transformers, kinds[architecture])(**settings)
@@ -52,104 +72,7 @@ def save_llama_family(folder: Path, architecture: str = "LlamaForCausalLM", seed
         from exporters.hf_folder import DROPPED_ATTENTION_KEY
 
         path = Path(folder) / "config.json"
-        path.write_text(json.dumps({**json.loads(path.read_text()), DROPPED_ATTENTION_KEY: list(drop_attention)}))
+        path.write_text(
+            json.dumps({**json.loads(path.read_text()), DROPPED_ATTENTION_KEY: list(drop_attention)})
+        )
     return Path(folder)
-
-
-def deci_block(attention: str | int = 1, ffn: str | float = 1.0) -> dict:
-    """A block_configs entry: attention "no_op" | "linear" | n_heads_in_group; ffn "no_op" | "linear" | ffn_mult.
-
-    Written with every field the published configs carry (the unsupported ones at their neutral values).
-    """
-    attn = {"no_op": attention == "no_op", "replace_with_linear": attention == "linear",
-            "n_heads_in_group": attention if isinstance(attention, int) else None, "num_sink_tokens": None,
-            "sparsify": None, "unshifted_sink": False, "use_prefill_window_in_sink_attention": False,
-            "window_length": None}
-    mlp = {"no_op": ffn == "no_op", "replace_with_linear": ffn == "linear",
-           "ffn_mult": ffn if isinstance(ffn, float | int) and not isinstance(ffn, bool) else None,
-           "sparsify": None}
-    return {"attention": attn, "ffn": mlp}
-
-
-def nemotron_config(block_configs: list[dict], hidden: int = 64, heads: int = 4, vocab: int = 96,
-                    rope_scaling: dict | None = None, tie: bool = False, rope_theta: float = 500000.0) -> dict:
-    return {
-        "architectures": ["DeciLMForCausalLM"], "model_type": "nemotron-nas",
-        "auto_map": {"AutoConfig": "configuration_decilm.DeciLMConfig",
-                     "AutoModelForCausalLM": "modeling_decilm.DeciLMForCausalLM"},
-        "hidden_size": hidden, "num_attention_heads": heads, "num_hidden_layers": len(block_configs),
-        "vocab_size": vocab, "rms_norm_eps": 1e-5, "rope_theta": rope_theta, "rope_scaling": rope_scaling,
-        "max_position_embeddings": 131072, "tie_word_embeddings": tie, "hidden_act": "silu",
-        "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2, "block_configs": block_configs,
-        "attention_bias": False, "mlp_bias": False, "initializer_range": 0.02, "use_cache": True,
-    }
-
-
-def nemotron_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """The tensors of a nemotron-nas checkpoint (DESIGN 7), in checkpoint order."""
-    hidden, heads = config["hidden_size"], config["num_attention_heads"]
-    head_dim = hidden // heads
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config["vocab_size"], hidden)}
-    for i, block in enumerate(config["block_configs"]):
-        prefix = f"model.layers.{i}"
-        attn, ffn = block["attention"], block["ffn"]
-        if not attn["no_op"]:
-            shapes[f"{prefix}.input_layernorm.weight"] = (hidden,)
-            if attn["replace_with_linear"]:
-                shapes[f"{prefix}.self_attn.linear_attn.weight"] = (hidden, hidden)
-            else:
-                kv = heads // attn["n_heads_in_group"]
-                shapes[f"{prefix}.self_attn.q_proj.weight"] = (heads * head_dim, hidden)
-                shapes[f"{prefix}.self_attn.k_proj.weight"] = (kv * head_dim, hidden)
-                shapes[f"{prefix}.self_attn.v_proj.weight"] = (kv * head_dim, hidden)
-                shapes[f"{prefix}.self_attn.o_proj.weight"] = (hidden, heads * head_dim)
-        if not ffn["no_op"]:
-            shapes[f"{prefix}.post_attention_layernorm.weight"] = (hidden,)
-            if ffn["replace_with_linear"]:
-                shapes[f"{prefix}.mlp.linear_mlp.weight"] = (hidden, hidden)
-            else:
-                width = math.ceil(int(2 * ffn["ffn_mult"] * hidden / 3) / 256) * 256
-                shapes[f"{prefix}.mlp.gate_proj.weight"] = (width, hidden)
-                shapes[f"{prefix}.mlp.up_proj.weight"] = (width, hidden)
-                shapes[f"{prefix}.mlp.down_proj.weight"] = (hidden, width)
-    shapes["model.norm.weight"] = (hidden,)
-    if not config["tie_word_embeddings"]:
-        shapes["lm_head.weight"] = (config["vocab_size"], hidden)
-    return shapes
-
-
-def _random(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
-    noise = torch.randn(shape, generator=gen)
-    if len(shape) == 1:
-        return 1 + 0.1 * noise
-    if "embed_tokens" in name:
-        return noise
-    return noise / math.sqrt(shape[1])
-
-
-def write_nemotron(folder: Path, config: dict, shards: int = 2, seed: int = 0,
-                   dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Random weights in `shards` safetensors files plus the index, tensor by tensor (bounded memory)."""
-    from safetensors.torch import save_file
-
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (folder / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": 1, "eos_token_id": 2, "do_sample": False}, indent=2) + "\n")
-    shapes = nemotron_shapes(config)
-    names = list(shapes)
-    per_shard = math.ceil(len(names) / shards)
-    gen = torch.Generator().manual_seed(seed)
-    weight_map, total = {}, 0
-    for s in range(shards):
-        file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
-        group = names[s * per_shard:(s + 1) * per_shard]
-        tensors = {n: _random(n, shapes[n], gen).to(dtype) for n in group}
-        total += sum(t.numel() * t.element_size() for t in tensors.values())
-        save_file(tensors, str(folder / file), metadata={"format": "pt"})
-        del tensors
-        weight_map.update({n: file for n in group})
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    return folder

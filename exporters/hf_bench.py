@@ -1,0 +1,133 @@
+"""Streaming benchmark of the Hugging Face exporter (tools/bench_export.py): memory and time against a copy.
+
+A random nemotron-nas checkpoint in the published layout (exporters.hf_synthetic: bf16 shards + index,
+block_configs) is written, then, each in a fresh child process whose own peak RSS is read
+(runtime.peak_memory):
+  - a plain copy of the checkpoint's safetensors files (the I/O floor),
+  - tools/export_model.py --hf (bf16 kept: the kernel copies each tensor),
+  - optionally --dtype float16 (tensors converted in row chunks).
+Bounds (issue 10): peak RSS <= 1 GB + the largest single tensor; time within 2x of the copy. The export's
+own split (graph building vs weight streaming) is reported: graph building does not grow with the weights.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from exporters.hf_checkpoint import open_checkpoint
+from runtime.peak_memory import measure, timed_copy
+
+ROOT = Path(__file__).resolve().parents[1]
+MB, GB = 1 << 20, 1 << 30
+MULTS = [5.25, 1.0, 2.625, 1.3125, 0.5, 3.28125]
+
+_BUILD = """
+import sys
+from exporters.hf_bench import write_checkpoint
+write_checkpoint(sys.argv[1], *map(int, sys.argv[2:]))
+"""
+
+
+@dataclass
+class Step:
+    name: str
+    seconds: float
+    peak_bytes: int
+    graph_seconds: float = 0.0
+    weights_seconds: float = 0.0
+    output_bytes: int = 0
+
+
+@dataclass
+class BenchResult:
+    checkpoint_bytes: int
+    largest_tensor_bytes: int
+    layers: int
+    hidden: int
+    steps: list[Step]
+
+    @property
+    def bound_bytes(self) -> int:
+        return GB + self.largest_tensor_bytes
+
+    def ratio(self, step: Step) -> float:
+        return step.seconds / self.steps[0].seconds
+
+    def within(self, step: Step) -> bool:
+        return step.peak_bytes <= self.bound_bytes and self.ratio(step) <= 2.0
+
+    def as_json(self) -> str:
+        data = asdict(self) | {"bound_bytes": self.bound_bytes}
+        return json.dumps(data, indent=1)
+
+    def report(self) -> str:
+        lines = [
+            f"checkpoint: {self.checkpoint_bytes / 1e9:.2f} GB bf16 ({self.layers} layers, "
+            f"hidden {self.hidden}); largest tensor {self.largest_tensor_bytes / MB:.0f} MB; "
+            f"RSS bound {self.bound_bytes / MB:.0f} MB",
+            f"{'step':<13}{'seconds':>9}{'x copy':>8}{'peak RSS MB':>13}{'graph s':>9}{'weights s':>11}  "
+            "within bounds",
+        ]
+        for step in self.steps:
+            ok = "" if step.name == "copy" else ("yes" if self.within(step) else "NO")
+            lines.append(
+                f"{step.name:<13}{step.seconds:>9.1f}{self.ratio(step):>8.2f}"
+                f"{step.peak_bytes / MB:>13.0f}{step.graph_seconds:>9.1f}{step.weights_seconds:>11.1f}"
+                f"  {ok}"
+            )
+        return "\n".join(lines)
+
+
+def write_checkpoint(
+    folder: str | Path, hidden: int, heads: int, layers: int, vocab: int, shards: int
+) -> None:
+    """Super-49B-like layers: attention (8 heads per KV head) on even layers only, ffn_mult cycling."""
+    from exporters.hf_synthetic import LLAMA3_ROPE, deci_block, nemotron_config, write_nemotron
+
+    blocks = [deci_block(8 if i % 2 == 0 else "no_op", MULTS[i % len(MULTS)]) for i in range(layers)]
+    config = nemotron_config(blocks, hidden=hidden, heads=heads, vocab=vocab, rope_scaling=LLAMA3_ROPE)
+    write_nemotron(folder, config, shards=shards)
+
+
+def bench(
+    work: Path,
+    hidden: int = 2048,
+    heads: int = 16,
+    layers: int = 36,
+    vocab: int = 32000,
+    shards: int = 8,
+    convert: bool = False,
+    log: Callable[[str], None] = print,
+) -> BenchResult:
+    checkpoint = work / "checkpoint"
+    log(f"writing a nemotron-nas checkpoint: hidden {hidden}, {layers} layers, bf16 ...")
+    subprocess.run(
+        [sys.executable, "-c", _BUILD, str(checkpoint), *map(str, (hidden, heads, layers, vocab, shards))],
+        check=True,
+        cwd=ROOT,
+    )
+    table = open_checkpoint(checkpoint)
+    log("copying the safetensors files ...")
+    copied = timed_copy(sorted(checkpoint.glob("*.safetensors")), work / "copy")
+    shutil.rmtree(work / "copy")
+    steps = [Step("copy", copied.seconds, copied.peak_bytes, output_bytes=table.total_bytes)]
+    runs = [("export_bf16", [])] + ([("export_fp16", ["--dtype", "float16"])] if convert else [])
+    for name, extra in runs:
+        log(f"running {name} ...")
+        out = work / name / "model.onnx"
+        run = measure(ROOT / "tools" / "export_model.py", ["--hf", checkpoint, "-o", out, *extra])
+        if run.code != 0:
+            raise RuntimeError(f"{name} failed: {run.output[-800:]}")
+        split = re.search(r"time: graph ([\d.]+) s, weights ([\d.]+) s", run.output)
+        graph, weights = (float(split.group(1)), float(split.group(2))) if split else (0.0, 0.0)
+        size = sum(p.stat().st_size for p in out.parent.iterdir())
+        steps.append(Step(name, run.seconds, run.peak_bytes, graph, weights, size))
+        shutil.rmtree(out.parent)
+    return BenchResult(table.total_bytes, table.largest_bytes, layers, hidden, steps)
