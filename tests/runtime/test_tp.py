@@ -4,6 +4,7 @@ segment split, and TensorRT-RTX ahead-of-time builds of every rank graph (DistCo
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ import onnx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "passes"))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # tests/shard_forms.py
 from test_shard import TOLERANCE, TpModels, build_models, single_device, tokens  # noqa: E402
 
 from passes.shard import count_allreduces, shard_file  # noqa: E402
@@ -26,7 +28,9 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> TpModels:
     return build_models(tmp_path_factory.getbasetemp())
 
 
-def _torchrun(tp: int, dirs: list[Path], outs: list[Path], ids: Path) -> subprocess.CompletedProcess:
+def _torchrun(
+    tp: int, dirs: list[Path], outs: list[Path], ids: Path, timeout: float = 240
+) -> subprocess.CompletedProcess:
     torchrun = Path(sys.executable).with_name("torchrun")
     port = 29500 + 17 * tp + os.getpid() % 97
     command = [
@@ -43,7 +47,7 @@ def _torchrun(tp: int, dirs: list[Path], outs: list[Path], ids: Path) -> subproc
         *map(str, outs),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 @pytest.mark.slow
@@ -64,6 +68,78 @@ def test_torchrun_logits_equal_single_device(models: TpModels, tmp_path: Path, t
         assert logits.dtype == np.float32 and logits.shape == (2, 13, 256)
         error = relative_error(logits, single_device(model, ids))
         assert error <= TOLERANCE, f"{model.name} tp={tp}: relative error {error:.2e}"
+
+
+# ------------------------------------------------------------------------------------------ SmolLM2
+
+
+@pytest.fixture(scope="session")
+def smollm2_fused(smollm2_pruned_onnx: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The pruned SmolLM2 (conftest) with its attention-free run fused in two groups."""
+    from passes.pipeline import fuse_file
+    from passes.plan import Plan
+
+    path = tmp_path_factory.mktemp("smollm2_tp") / "smollm2_fused.onnx"
+    fuse_file(smollm2_pruned_onnx, Plan(groups=((13, 17), (18, 21))), path, validate_output=False)
+    return path
+
+
+def _smollm2_over_gloo(sources: list[Path], tp: int, tmp_path: Path) -> list[float]:
+    """Shard each source at `tp`, run all of them in one torchrun launch, return the relative errors."""
+    from passes.shard_plan import HeadPlan
+
+    ids = np.random.default_rng(tp).integers(0, 49152, (2, 9)).astype(np.int64)
+    np.save(tmp_path / "ids.npy", ids)
+    dirs = [tmp_path / f"{m.stem}_tp{tp}" for m in sources]
+    for model, directory in zip(sources, dirs, strict=True):
+        report = shard_file(model, tp, directory, progress=False)
+        attention = [b for b in report.branches if b.kind == "attention"]
+        assert len(attention) == 20 and all(b.heads == 9 and b.kv_heads == 3 for b in attention)
+        assert {b.heads_per_rank for b in attention} == {HeadPlan(9, 3, tp).heads_per_rank}
+    outs = [d.with_suffix(".npy") for d in dirs]
+    run = _torchrun(tp, dirs, outs, tmp_path / "ids.npy", timeout=900)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    errors = [relative_error(np.load(o), single_device(m, ids)) for m, o in zip(sources, outs, strict=True)]
+    for directory in dirs:
+        shutil.rmtree(directory)  # ~1.3 GB per model at tp=8
+    return errors
+
+
+@pytest.mark.slow
+def test_smollm2_tp8_over_gloo(smollm2_pruned_onnx: Path, smollm2_fused: Path, tmp_path: Path) -> None:
+    """The real SmolLM2 (9 heads, 3 KV heads: padded to 16 heads in 4 KV slots), unfused and fused,
+    8 torchrun processes with gloo all-reduces, equals one device."""
+    errors = _smollm2_over_gloo([smollm2_pruned_onnx, smollm2_fused], 8, tmp_path)
+    assert max(errors) <= TOLERANCE, f"relative errors {errors}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [2, 4])
+def test_smollm2_tp2_tp4_over_gloo(smollm2_fused: Path, tmp_path: Path, tp: int) -> None:
+    """The fused SmolLM2 at tp=2 (KV heads 3 -> 4 slots, 2 per rank) and tp=4 (one slot per rank)."""
+    errors = _smollm2_over_gloo([smollm2_fused], tp, tmp_path)
+    assert max(errors) <= TOLERANCE, f"relative errors {errors}"
+
+
+@pytest.mark.slow
+def test_attention_forms_over_gloo(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Every third-party attention form (tests/shard_forms.py, 9 heads / 3 KV heads) at tp=4 in one
+    torchrun launch: Where masks, packed qkv, opset-23 Attention, TorchScript, ORT's Skip norms."""
+    import shard_forms
+
+    base = tmp_path_factory.getbasetemp()
+    sources = [shard_forms.forms_model(base, name) for name in shard_forms.FORMS]
+    ids = np.random.default_rng(3).integers(0, shard_forms.VOCAB, (2, 7)).astype(np.int64)
+    np.save(tmp_path / "ids.npy", ids)
+    dirs = [tmp_path / m.stem for m in sources]
+    for model, directory in zip(sources, dirs, strict=True):
+        shard_file(model, 4, directory, progress=False)
+    outs = [d.with_suffix(".npy") for d in dirs]
+    run = _torchrun(4, dirs, outs, tmp_path / "ids.npy")
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    for model, out in zip(sources, outs, strict=True):
+        error = relative_error(np.load(out), single_device(model, ids))
+        assert error <= TOLERANCE, f"{model.name} tp=4: relative error {error:.2e}"
 
 
 def test_segments_cut_at_every_collective(models: TpModels, tmp_path: Path) -> None:
