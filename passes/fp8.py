@@ -13,13 +13,15 @@ fused FFN (a wide MatMul). Each gets
 Embeddings (Gather) are untouched; the lm_head (the linear layer from which a graph output is reached
 without passing another MatMul) keeps its precision unless `quantize_lm_head=True`.
 
-Weights are processed one at a time: the scales are computed eagerly from the (memory-mapped) source
-weight, and the FP8 values are a LazyTensor computed from it again when the model is saved.
+Weights are streamed: the scales are computed eagerly from bands of rows read from the source file (never
+mapped whole), and the FP8 values are computed band by band again while the model is saved, so memory
+stays near one band whatever the weight size.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -37,6 +39,7 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from passes.errors import UserError
 from passes.model_io import load_model
+from passes.stream_concat import read_columns, read_rows
 
 FP8_MAX = 448.0
 MIN_FP8_OPSET = 19
@@ -341,14 +344,33 @@ class QuantReport:
     opset: tuple[int, int] = (0, 0)
 
 
-def _weight_matrix(tensor: ir.TensorProtocol, transpose: bool) -> np.ndarray:
-    """The weight as the MatMul sees it, [in, out], float32 (one weight in memory at a time)."""
-    array = np.asarray(tensor.numpy()).astype(np.float32, copy=False)
-    return array.T if transpose else array
+# Weights are read a band of rows at a time (about this many bytes in float32), straight from the file:
+# quantizing holds one band, not one weight, so memory does not grow with the matrix size.
+_BAND_BYTES = 8 << 20
 
 
-def _channel_scales(weight: np.ndarray, dtype: ir.DataType) -> np.ndarray:
-    amax = np.abs(weight).max(axis=0)
+def _bands(tensor: ir.TensorProtocol, transpose: bool, stored: bool = False) -> Iterator[np.ndarray]:
+    """The weight in float32 bands of rows: of the [in, out] matrix the MatMul sees, or (`stored`) of the
+    tensor as stored."""
+    rows, cols = (int(d) for d in tensor.shape)
+    read_stored = stored or not transpose
+    height, width = (rows, cols) if read_stored else (cols, rows)
+    step = max(1, _BAND_BYTES // (4 * width))
+    for start in range(0, height, step):
+        stop = min(start + step, height)
+        if read_stored:
+            band = read_rows(tensor, rows, cols, start, stop)
+        else:  # rows of the [in, out] matrix are columns of the stored [out, in] one
+            band = read_columns(tensor, rows, cols, start, stop).T
+        yield band.astype(np.float32, copy=False)
+
+
+def _channel_scales(tensor: ir.TensorProtocol, transpose: bool, dtype: ir.DataType) -> np.ndarray:
+    """amax / 448 per output channel (over the input dimension), in the weight's dtype, as float32."""
+    if transpose:  # output channels are the stored rows
+        amax = np.concatenate([np.abs(band).max(axis=1) for band in _bands(tensor, True, stored=True)])
+    else:
+        amax = functools.reduce(np.maximum, (np.abs(band).max(axis=0) for band in _bands(tensor, False)))
     scale = np.where((amax > 0) & np.isfinite(amax), amax / FP8_MAX, 1.0)
     return scale.astype(dtype.numpy()).astype(np.float32)
 
@@ -357,15 +379,26 @@ def _to_fp8(weight: np.ndarray, scale: np.ndarray) -> np.ndarray:
     return np.clip(weight / scale, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
 
 
-def _fp8_weight(tensor: ir.TensorProtocol, transpose: bool, scale: np.ndarray, name: str) -> ir.LazyTensor:
-    rows, cols = (int(d) for d in tensor.shape)
-    shape = ir.Shape([cols, rows] if transpose else [rows, cols])
+class _FP8Weight(ir.LazyTensor):
+    """The [in, out] float8e4m3fn weight, quantized band by band from its source while it is written."""
 
-    def materialize() -> ir.Tensor:
-        fp8 = np.ascontiguousarray(_to_fp8(_weight_matrix(tensor, transpose), scale))
-        return ir.Tensor(fp8, dtype=ir.DataType.FLOAT8E4M3FN, name=name)
+    def __init__(self, tensor: ir.TensorProtocol, transpose: bool, scale: np.ndarray, name: str) -> None:
+        rows, cols = (int(d) for d in tensor.shape)
+        shape = ir.Shape([cols, rows] if transpose else [rows, cols])
+        super().__init__(self._materialize, dtype=ir.DataType.FLOAT8E4M3FN, shape=shape, name=name)
+        self.source, self.transpose, self.scale = tensor, transpose, scale
 
-    return ir.LazyTensor(materialize, dtype=ir.DataType.FLOAT8E4M3FN, shape=shape, name=name)
+    def bands(self) -> Iterator[np.ndarray]:
+        for band in _bands(self.source, self.transpose):
+            yield np.ascontiguousarray(_to_fp8(band, self.scale))
+
+    def tofile(self, file) -> None:
+        for band in self.bands():
+            file.write(memoryview(band.view(np.uint8).reshape(-1)))
+
+    def _materialize(self) -> ir.TensorProtocol:
+        array = np.concatenate(list(self.bands()))
+        return ir.Tensor(array, dtype=ir.DataType.FLOAT8E4M3FN, name=self.name)
 
 
 class _Namer:
@@ -480,9 +513,9 @@ class _Rewriter:
         if key in self.weights:
             return self.weights[key]
         base = source.value.name or "weight"
-        scale = _channel_scales(_weight_matrix(source.tensor, source.transpose), dtype)
+        scale = _channel_scales(source.tensor, source.transpose, dtype)
         fp8_name = self.name(f"{base}_fp8")
-        q = _initializer(self.graph, fp8_name, _fp8_weight(source.tensor, source.transpose, scale, fp8_name))
+        q = _initializer(self.graph, fp8_name, _FP8Weight(source.tensor, source.transpose, scale, fp8_name))
         s_name = self.name(f"{base}_fp8_scale")
         s = _initializer(self.graph, s_name, ir.Tensor(scale.astype(dtype.numpy()), dtype=dtype, name=s_name))
         node = ir.node(

@@ -15,7 +15,15 @@ half-precision rows are rounded once, exactly as a whole-matrix numpy computatio
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
+import errno
+import functools
+import io
+import mmap
 import os
+import stat
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -53,56 +61,133 @@ class Part:
 
     def read(self, start: int, stop: int, dtype: np.dtype) -> np.ndarray:
         """Rows start:stop of the part as it enters the concatenation, scaled, in `dtype`."""
-        block = self._stored_rows(start, stop) if not self.transpose else self._transposed_rows(start, stop)
-        if self.col_range is not None and not self.transpose:
-            block = block[:, self.col_range[0] : self.col_range[1]]
-        if self.transform is not None:
-            block = self.transform(block)
-        if self.scale is None:
-            return block.astype(dtype, copy=False)
-        scale = self.scale[start:stop, None] if self.scale_axis == 0 else self.scale[None, :]
-        return (block.astype(np.float32, copy=False) * scale).astype(dtype, copy=False)
+        out = np.empty((stop - start, self.shape[1]), dtype)
+        self.read_into(out, start, stop)
+        return out
+
+    def read_into(self, out: np.ndarray, start: int, stop: int) -> None:
+        """Write rows start:stop of the part, scaled, into `out` (a [stop - start, width] view of a chunk)."""
+        if self._direct and out.dtype == _numpy_dtype(self.tensor):  # read straight into the chunk
+            first = self.row_range[0] if self.row_range is not None else 0
+            read_rows_into(self.tensor, self.cols, first + start, out)
+        else:
+            read = self._transposed_rows if self.transpose else self._stored_rows
+            block = read(start, stop)
+            if self.col_range is not None and not self.transpose:
+                block = block[:, self.col_range[0] : self.col_range[1]]
+            out[...] = self.transform(block) if self.transform is not None else block
+        if self.scale is not None:
+            scale = self.scale[start:stop, None] if self.scale_axis == 0 else self.scale[None, :]
+            if out.dtype == np.float32:
+                np.multiply(out, scale, out=out)
+            else:  # half precision: scaled in float32, rounded once
+                out[...] = (out.astype(np.float32) * scale).astype(out.dtype)
+
+    @property
+    def _direct(self) -> bool:
+        """Whole stored rows, as stored: readable straight into the destination."""
+        return self.col_range is None and not self.transpose and self.transform is None
+
+    def file_range(self) -> tuple[str, int, int] | None:
+        """(path, offset, length) when the whole part is a plain byte range of an external data file."""
+        if not (self._direct and self.scale is None and isinstance(self.tensor, ir.ExternalTensor)):
+            return None
+        first, rows = (self.row_range or (0, self.rows))[0], self.shape[0]
+        row_bytes = self.cols * _numpy_dtype(self.tensor).itemsize
+        return str(self.tensor.path), (self.tensor.offset or 0) + first * row_bytes, rows * row_bytes
 
     def _stored_rows(self, start: int, stop: int) -> np.ndarray:
         first = self.row_range[0] if self.row_range is not None else 0
         return read_rows(self.tensor, self.rows, self.cols, first + start, first + stop)
 
     def _transposed_rows(self, start: int, stop: int) -> np.ndarray:
-        matrix = _array(self.tensor).reshape(self.rows, self.cols)
+        first = self.col_range[0] if self.col_range is not None else 0
+        matrix = read_columns(self.tensor, self.rows, self.cols, first + start, first + stop)
         if self.row_range is not None:
             matrix = matrix[self.row_range[0] : self.row_range[1]]
-        if self.col_range is not None:
-            matrix = matrix[:, self.col_range[0] : self.col_range[1]]
-        return np.ascontiguousarray(matrix[:, start:stop].T)
+        return np.ascontiguousarray(matrix.T)
 
 
 Source = ir.TensorProtocol | np.ndarray
 
 
 def read_rows(tensor: Source, rows: int, cols: int, start: int, stop: int) -> np.ndarray:
-    """Rows start:stop of `tensor` viewed as [rows, cols]: external data is read with preadv into a new
-    buffer (never mapped); other tensors are sliced in memory."""
-    dtype = _numpy_dtype(tensor)
+    """Rows start:stop of `tensor` viewed as [rows, cols] (external data: read, never mapped)."""
     if not isinstance(tensor, ir.ExternalTensor):
         return np.array(_array(tensor).reshape(rows, cols)[start:stop])
-    out = np.empty((stop - start, cols), dtype=dtype)
-    view = memoryview(out.view(np.uint8).reshape(-1))
-    offset = (tensor.offset or 0) + start * cols * dtype.itemsize
-    fd = os.open(tensor.path, os.O_RDONLY)
-    try:
-        done = 0
-        while done < len(view):
-            count = os.preadv(fd, [view[done:]], offset + done)
-            if count <= 0:
-                raise OSError(f"{tensor.path}: external data ends early (tensor {tensor.name!r})")
-            done += count
-    finally:
-        os.close(fd)
+    out = np.empty((stop - start, cols), dtype=_numpy_dtype(tensor))
+    read_rows_into(tensor, cols, start, out)
     return out
 
 
+def read_rows_into(tensor: Source, cols: int, start: int, out: np.ndarray) -> None:
+    """Rows start:start + len(out) of `tensor` viewed as [., cols] into `out`, which may be a column slice
+    of a wider chunk: external data goes with preadv from the file straight into each row of `out`."""
+    if not isinstance(tensor, ir.ExternalTensor):
+        out[...] = _array(tensor).reshape(-1, cols)[start : start + len(out)]
+        return
+    row_bytes = cols * out.dtype.itemsize
+    rows = [memoryview(row.view(np.uint8)) for row in out]
+    offset = (tensor.offset or 0) + start * row_bytes
+    fd = os.open(tensor.path, os.O_RDONLY)
+    try:
+        for first in range(0, len(rows), _IOV_MAX):
+            _preadv_all(fd, rows[first : first + _IOV_MAX], offset + first * row_bytes, tensor)
+    finally:
+        os.close(fd)
+
+
+_IOV_MAX = 1024  # buffers one preadv call takes (Linux)
+_MAPPED_ROWS_BYTES = 16 << 20  # file pages read_columns keeps mapped at a time
+
+
+def read_columns(tensor: Source, rows: int, cols: int, start: int, stop: int) -> np.ndarray:
+    """Columns start:stop of `tensor` viewed as [rows, cols], as a new [rows, stop - start] array. External
+    data is mapped a band of rows at a time and the band's pages are dropped right after (madvise), so
+    memory stays near the result whatever the matrix size."""
+    if not isinstance(tensor, ir.ExternalTensor):
+        return np.array(_array(tensor).reshape(rows, cols)[:, start:stop])
+    dtype = _numpy_dtype(tensor)
+    out = np.empty((rows, stop - start), dtype)
+    row_bytes = cols * dtype.itemsize
+    band = max(1, _MAPPED_ROWS_BYTES // row_bytes)
+    with open(tensor.path, "rb") as file:
+        for first in range(0, rows, band):
+            count = min(band, rows - first)
+            offset = (tensor.offset or 0) + first * row_bytes
+            base = offset - offset % mmap.ALLOCATIONGRANULARITY
+            with mmap.mmap(
+                file.fileno(), offset - base + count * row_bytes, offset=base, access=mmap.ACCESS_READ
+            ) as mm:
+                view = np.frombuffer(mm, dtype, count * cols, offset - base).reshape(count, cols)
+                out[first : first + count] = view[:, start:stop]
+                del view  # the map cannot close while a view of it lives
+                mm.madvise(mmap.MADV_DONTNEED)
+    return out
+
+
+def _preadv_all(fd: int, buffers: list[memoryview], offset: int, tensor) -> None:
+    """preadv until every buffer is full (a call may stop short)."""
+    while buffers:
+        count = os.preadv(fd, buffers, offset)
+        if count <= 0:
+            raise OSError(f"{tensor.path}: external data ends early (tensor {tensor.name!r})")
+        offset += count
+        while buffers and count >= len(buffers[0]):
+            count -= len(buffers[0])
+            buffers = buffers[1:]
+        if buffers and count:
+            buffers[0] = buffers[0][count:]
+
+
+_LOAD = threading.Lock()  # chunks are built in threads; a tensor maps or computes its array once
+
+
 def _array(tensor: Source) -> np.ndarray:
-    return tensor if isinstance(tensor, np.ndarray) else tensor.numpy()
+    if isinstance(tensor, np.ndarray):
+        return tensor
+    with _LOAD:
+        return tensor.numpy()
 
 
 def _numpy_dtype(tensor: Source) -> np.dtype:
@@ -112,7 +197,8 @@ def _numpy_dtype(tensor: Source) -> np.dtype:
 class ConcatTensor(ir.LazyTensor):
     """The concatenation of `parts` along `axis` of the stored 2-D matrix, declared with `shape` (same
     number of elements). `finish` maps each finished chunk of rows to its final form (for example packs
-    int4 zero points). `tofile` streams; `numpy()`/`tobytes()` build the whole tensor (small models)."""
+    int4 zero points). `tofile` streams: plain parts are copied file to file by the kernel, the other
+    chunks are built by a few threads ahead of the writer. `numpy()`/`tobytes()` build the whole tensor."""
 
     def __init__(
         self,
@@ -122,37 +208,64 @@ class ConcatTensor(ir.LazyTensor):
         shape: tuple[int, ...],
         name: str,
         finish: Callable[[np.ndarray], np.ndarray] | None = None,
-        chunk_bytes: int = CHUNK_BYTES,
+        chunk_bytes: int | None = None,
     ) -> None:
         super().__init__(self._materialize, dtype=dtype, shape=ir.Shape(shape), name=name)
         self.parts, self.axis, self.finish, self.chunk_bytes = parts, axis, finish, chunk_bytes
         self._numpy = np.dtype(dtype.numpy())
 
-    def chunks(self) -> Iterator[np.ndarray]:
-        """The result's rows in order, a chunk at a time."""
+    def jobs(self) -> Iterator[Callable[[], np.ndarray] | tuple[str, int, int]]:
+        """The result in order: functions that build a chunk of rows, or (path, offset, length) ranges of
+        a source file to copy as they are."""
         if self.axis == 0:
             for part in self.parts:
+                if self.finish is None and (file_range := part.file_range()) is not None:
+                    yield file_range
+                    continue
                 rows, cols = part.shape
-                for start in range(0, rows, self._step(cols)):
-                    yield self._finished(part.read(start, min(start + self._step(cols), rows), self._numpy))
+                step = self._step(cols)
+                for start in range(0, rows, step):
+                    yield functools.partial(self._stacked, part, start, min(start + step, rows))
             return
-        rows, width = self.parts[0].shape[0], sum(p.shape[1] for p in self.parts)
-        step = self._step(width)
+        rows = self.parts[0].shape[0]
+        step = self._step(sum(p.shape[1] for p in self.parts))
         for start in range(0, rows, step):
-            stop = min(start + step, rows)
-            chunk = np.empty((stop - start, width), dtype=self._work_dtype())
-            column = 0
-            for part in self.parts:
-                chunk[:, column : column + part.shape[1]] = part.read(start, stop, chunk.dtype)
-                column += part.shape[1]
-            yield self._finished(chunk)
+            yield functools.partial(self._side_by_side, start, min(start + step, rows))
+
+    def chunks(self) -> Iterator[np.ndarray]:
+        """The result's rows in order, a chunk at a time (file ranges read into memory)."""
+        for job in self.jobs():
+            yield job() if callable(job) else np.fromfile(job[0], np.uint8, job[2], offset=job[1])
 
     def tofile(self, file) -> None:
-        for chunk in self.chunks():
-            file.write(memoryview(np.ascontiguousarray(chunk).view(np.uint8).reshape(-1)))
+        pending: collections.deque = collections.deque()
+        with concurrent.futures.ThreadPoolExecutor(_WORKERS) as pool:
+            for job in self.jobs():
+                if callable(job):
+                    pending.append(pool.submit(job))
+                    if len(pending) > _WORKERS:
+                        _write(file, pending.popleft().result())
+                    continue
+                while pending:
+                    _write(file, pending.popleft().result())
+                _copy_range(job, file)
+            while pending:
+                _write(file, pending.popleft().result())
+
+    def _stacked(self, part: Part, start: int, stop: int) -> np.ndarray:
+        return self._finished(part.read(start, stop, self._work_dtype()))
+
+    def _side_by_side(self, start: int, stop: int) -> np.ndarray:
+        chunk = np.empty((stop - start, sum(p.shape[1] for p in self.parts)), dtype=self._work_dtype())
+        column = 0
+        for part in self.parts:
+            part.read_into(chunk[:, column : column + part.shape[1]], start, stop)
+            column += part.shape[1]
+        return self._finished(chunk)
 
     def _step(self, cols: int) -> int:
-        return max(1, self.chunk_bytes // max(1, cols * self._work_dtype().itemsize))
+        chunk_bytes = self.chunk_bytes if self.chunk_bytes is not None else CHUNK_BYTES
+        return max(1, chunk_bytes // max(1, cols * self._work_dtype().itemsize))
 
     def _work_dtype(self) -> np.dtype:
         return _numpy_dtype(self.parts[0].tensor) if self.finish is not None else self._numpy
@@ -161,6 +274,50 @@ class ConcatTensor(ir.LazyTensor):
         return self.finish(chunk) if self.finish is not None else chunk
 
     def _materialize(self) -> ir.TensorProtocol:
-        chunks = [chunk.reshape(-1) for chunk in self.chunks()]
-        array = np.concatenate(chunks) if chunks else np.empty(0, self._numpy)
+        chunks = [chunk.view(np.uint8).reshape(-1) for chunk in self.chunks()]
+        array = np.concatenate(chunks).view(self._numpy) if chunks else np.empty(0, self._numpy)
         return ir.tensor(array.reshape(tuple(self.shape)), dtype=self.dtype, name=self.name)
+
+
+_WORKERS = 2  # chunks built ahead of the writer (numpy and preadv release the GIL)
+
+
+def _write(file, chunk: np.ndarray) -> None:
+    file.write(memoryview(np.ascontiguousarray(chunk).view(np.uint8).reshape(-1)))
+
+
+def _copy_range(file_range: tuple[str, int, int], file) -> None:
+    """Copy bytes of a source file to the end of `file`: in the kernel (copy_file_range) when both are
+    regular files, else through a small buffer."""
+    path, offset, length = file_range
+    with open(path, "rb") as source:
+        done = 0
+        if hasattr(os, "copy_file_range") and _is_regular_file(file):
+            file.flush()
+            target = file.tell()
+            try:
+                while done < length:
+                    count = os.copy_file_range(
+                        source.fileno(), file.fileno(), length - done, offset + done, target + done
+                    )
+                    if count == 0:
+                        break
+                    done += count
+            except OSError as error:
+                if error.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+                    raise
+            file.seek(target + done)
+        source.seek(offset + done)
+        while done < length:
+            block = source.read(min(CHUNK_BYTES, length - done))
+            if not block:
+                raise OSError(f"{path}: external data ends early")
+            file.write(block)
+            done += len(block)
+
+
+def _is_regular_file(file) -> bool:
+    try:
+        return stat.S_ISREG(os.fstat(file.fileno()).st_mode)
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        return False

@@ -111,3 +111,18 @@ def test_packed_fields_concatenate_along_k(bits):
         parts, 1, ir.DataType.UINT8, (expected.size,), "zp", finish=lambda c: _pack(c, bits), chunk_bytes=3
     )
     assert _written(tensor) == expected.tobytes()
+
+
+def test_plain_parts_are_copied_file_to_file(tmp_path):
+    """Unscaled whole parts one after the other: kernel copies into the open data file, at its position."""
+    rng = np.random.default_rng(3)
+    mats = [rng.standard_normal((r, 6)).astype(np.float32) for r in (5, 2)]
+    parts = [Part(_external(m, tmp_path, f"p{i}"), *m.shape) for i, m in enumerate(mats)]
+    assert all(p.file_range() is not None for p in parts)
+    tensor = ConcatTensor(parts + [Part(ir.tensor(mats[0]), 5, 6)], 0, ir.DataType.FLOAT, (12, 6), "f")
+    with open(tmp_path / "out.data", "wb") as file:
+        file.write(b"head")
+        tensor.tofile(file)
+        file.write(b"tail")
+    expected = b"head" + np.concatenate([*mats, mats[0]]).tobytes() + b"tail"
+    assert (tmp_path / "out.data").read_bytes() == expected
