@@ -42,7 +42,16 @@ from passes.plan import Plan
 from passes.reference import parallel_sum
 from passes.validate import exactness_tolerance, plan_from_metadata
 from runtime.evaluate import QualityResult, evaluate, format_table
-from runtime.text import LICENSES, STDLIB, TextSet, evaluation_sets, load_token_file, text_tokens, windows
+from runtime.text import (
+    LICENSES,
+    STDLIB,
+    TextSet,
+    evaluation_sets,
+    load_token_file,
+    read_texts,
+    text_tokens,
+    windows,
+)
 
 HEAL_METADATA_KEY = "ffn_fusion.heal"
 INPUT_MODES = ("healed", "original")
@@ -58,6 +67,7 @@ class HealConfig:
     inputs: str = "healed"
     loss: str = "mse"  # "mse": squared error over all tokens; "token": each token's error over its target
     seed: int = 0
+    ridge: float = 0.1  # closed-form refit of the down projection after Adam (0: none), see refit_down
 
     def check(self) -> None:
         if self.steps < 0 or self.batch_tokens < 1 or not self.lr > 0:
@@ -176,9 +186,12 @@ class FusedFFN(torch.nn.Module):
         self.gate, self.up, self.down, self.norm = param(gate), param(up), param(down), param(norm)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
         z = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm
-        return x + (torch.nn.functional.silu(z @ self.gate) * (z @ self.up)) @ self.down
+        return torch.nn.functional.silu(z @ self.gate) * (z @ self.up)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.hidden(x) @ self.down
 
     @torch.no_grad()
     def apply(self, x: np.ndarray, batch: int = 4096) -> np.ndarray:
@@ -197,6 +210,46 @@ def relative_squared_error(pred: np.ndarray, x: np.ndarray, y: np.ndarray) -> fl
 
 
 def fit(module: FusedFFN, x: np.ndarray, y: np.ndarray, config: HealConfig) -> None:
+    """Adam steps on all weights, then (ridge > 0) the down projection refitted in closed form."""
+    adam(module, x, y, config)
+    if config.ridge > 0:
+        refit_down(module, x, y, config.ridge)
+
+
+def refit_down(module: FusedFFN, x: np.ndarray, y: np.ndarray, ridge: float, chunk: int = 2048) -> None:
+    """The down projection that minimizes ||h D - (y - x)||^2 + lam ||D - D_0||^2 for the current gate
+    and up (h: the SwiGLU hidden activations, N tokens x width W), lam = ridge * mean_t ||h_t||^2: least
+    squares, regularized towards the current D. With N >= W the W x W Gram matrix is accumulated over
+    token chunks; with fewer tokens the N x N form D_0 + h^T (h h^T + lam)^-1 r is solved instead."""
+    rows, targets = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
+
+    def residuals(s: int) -> tuple[torch.Tensor, torch.Tensor]:
+        xs = torch.from_numpy(np.ascontiguousarray(rows[s : s + chunk], np.float32))
+        h = module.hidden(xs)
+        ys = torch.from_numpy(np.ascontiguousarray(targets[s : s + chunk], np.float32))
+        return h, ys - xs - h @ module.down
+
+    with torch.no_grad():
+        width, count = module.down.shape[0], len(rows)
+        if count < width:
+            h, r = (torch.cat(parts) for parts in zip(*map(residuals, range(0, count, chunk)), strict=True))
+            kernel = h @ h.T
+            lam = ridge * float(kernel.diagonal().sum()) / count
+            kernel.diagonal().add_(lam)
+            module.down.add_(h.T @ torch.cholesky_solve(r, torch.linalg.cholesky(kernel)))
+            return
+        gram = torch.zeros(width, width)
+        rhs = torch.zeros_like(module.down)
+        for s in range(0, count, chunk):
+            h, r = residuals(s)
+            gram.addmm_(h.T, h)
+            rhs.addmm_(h.T, r)
+        lam = ridge * float(gram.diagonal().sum()) / count
+        gram.diagonal().add_(lam)
+        module.down.add_(torch.cholesky_solve(rhs, torch.linalg.cholesky(gram)))
+
+
+def adam(module: FusedFFN, x: np.ndarray, y: np.ndarray, config: HealConfig) -> None:
     """Adam with a cosine learning-rate decay on minibatches of calibration tokens."""
     if config.steps == 0:
         return
@@ -527,10 +580,10 @@ def calibration_windows(
     files = calib or [p for p in CALIBRATION_FILES if p.is_file()]
     if not files:
         raise UserError("no calibration text found on this machine; pass --calib FILE")
+    for path in files:
+        if not read_texts([path]).strip():
+            raise UserError(f"calibration text {path} is empty; pass files with text in them")
     parts = [text_tokens([f], vocab) for f in files]
-    empty = [str(f) for f, ids in zip(files, parts, strict=True) if ids.size == 0]
-    if empty:
-        raise UserError(f"calibration text {empty[0]} is empty; pass files with text in them")
     per_file = [windows(ids, window) for ids in parts]
     length = min(w.shape[1] for w in per_file)
     rows = [w[k, :length] for k in range(max(len(w) for w in per_file)) for w in per_file if k < len(w)]

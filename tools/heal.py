@@ -42,6 +42,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=HEAL_DEFAULTS.tokens, help="calibration tokens used")
     parser.add_argument("--steps", type=int, default=HealConfig.steps, help="Adam steps per group")
     parser.add_argument("--lr", type=float, default=HealConfig.lr, help="peak learning rate (cosine decay)")
+    parser.add_argument(
+        "--ridge",
+        type=float,
+        default=HealConfig.ridge,
+        help="closed-form down-projection refit after Adam, regularization (0: none)",
+    )
     parser.add_argument("--batch-tokens", type=int, default=HealConfig.batch_tokens, help="tokens per step")
     parser.add_argument(
         "--inputs",
@@ -81,7 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    config = HealConfig(args.steps, args.lr, args.batch_tokens, args.inputs, args.loss)
+    config = HealConfig(args.steps, args.lr, args.batch_tokens, args.inputs, args.loss, ridge=args.ridge)
     quiet = args.quiet or args.json
     report = run_heal(
         args.original,
