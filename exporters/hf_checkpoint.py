@@ -38,12 +38,14 @@ from typing import TYPE_CHECKING
 
 import onnx_ir as ir
 
-from exporters.hf_config import DTYPES, HfConfig, expected_tensors, layer_kinds, read_config
+from exporters.hf_config import DTYPES, HfConfig, decode_spec, expected_tensors, layer_kinds, read_config
 from passes.errors import UserError
 from passes.model_io import commit_output, staged_output
 
 if TYPE_CHECKING:  # torch is imported only once the input has been checked (bad input fails fast)
     import torch
+
+    from exporters import hf_model
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -249,6 +251,7 @@ class HfExportResult:
     layer_kinds: list[str] = field(default_factory=list)
     trace_seconds: float = 0.0  # building the graph (torch.onnx.export and its optimizer)
     write_seconds: float = 0.0  # streaming the weights into the data file
+    cache_layers: list[int] = field(default_factory=list)  # decode graphs: the layers with a KV cache
 
 
 def check_folder(
@@ -269,24 +272,34 @@ def export_hf(
     *,
     dtype: str | None = None,
     opset: int | None = None,
+    decode: bool = False,
     log: Callable[[str], None] = lambda message: None,
 ) -> HfExportResult:
     """Export the checkpoint in `folder` to `output` (+ `<output>.data` and the side files beside it).
 
-    `dtype` (float32 | float16 | bfloat16) defaults to the checkpoint's torch_dtype. Raises UserError for
-    bad input before anything is written (and before torch is imported).
+    `dtype` (float32 | float16 | bfloat16) defaults to the checkpoint's torch_dtype. `decode` writes the
+    KV-cache decode graph of exporters/decode.py instead (float32; see hf_config.decode_spec for what it
+    covers). Raises UserError for bad input before anything is written (and before torch is imported).
     """
     start = time.perf_counter()
     folder, output = Path(folder), Path(output)
-    config, sources, dtype = check_folder(folder, dtype)
-    log(f"exporting {folder} to {output} ({dtype}; weights streamed from the safetensors) ...")
-    from exporters.hf_model import TORCH_DTYPES, build_meta_model
+    if decode and dtype not in (None, "float32"):
+        raise UserError(f"--decode writes float32 graphs (float32 KV cache); drop --dtype {dtype}")
+    config, sources, dtype = check_folder(folder, "float32" if decode else dtype)
+    spec = decode_spec(config) if decode else None
+    kind = "the decode graph of " if decode else ""
+    log(f"exporting {kind}{folder} to {output} ({dtype}; weights streamed from the safetensors) ...")
+    from exporters import hf_model
 
-    model = build_meta_model(config, TORCH_DTYPES[dtype])
-    _check_model_against_plan(model, sources)
+    if spec is not None:
+        traceable = hf_model.decode_traceable(config, spec)
+    else:
+        traceable = hf_model.prefill_traceable(config, hf_model.TORCH_DTYPES[dtype])
+    _check_model_against_plan(traceable.model, sources)
     traced = time.perf_counter()
-    onnx_model = trace(model, config, opset)
+    onnx_model = trace(traceable, opset)
     onnx_model.metadata_props[METADATA_KEY] = json.dumps(describe(config, folder, dtype))
+    onnx_model.metadata_props.update(traceable.metadata)
     written = time.perf_counter()
     with staged_output(output) as staging:
         staged = staging / output.name
@@ -299,15 +312,13 @@ def export_hf(
             os.replace(path, output.parent / path.name)
         commit_output(staged, output)
     done = time.perf_counter()
-    data = output.with_name(f"{output.name}.data")
-    files = [output, data]
-    parameters = sum(p.numel() for p in model.parameters())
+    files = [output, output.with_name(f"{output.name}.data")]
     return HfExportResult(
         path=output,
         files=files,
         bytes=sum(f.stat().st_size for f in files),
         seconds=time.perf_counter() - start,
-        parameters=parameters,
+        parameters=sum(p.numel() for p in traceable.model.parameters()),
         opset=onnx_model.opset_imports.get("", 0),
         attention=config.attention_flags,
         config=config,
@@ -316,6 +327,7 @@ def export_hf(
         layer_kinds=layer_kinds(config),
         trace_seconds=written - traced,
         write_seconds=done - written,
+        cache_layers=[i for i, a in enumerate(spec.attention_flags) if a] if spec is not None else [],
     )
 
 
@@ -330,42 +342,40 @@ def _check_model_against_plan(model: torch.nn.Module, sources: dict[str, WeightS
             )
 
 
-def trace(model: torch.nn.Module, config: HfConfig, opset: int | None) -> ir.Model:
-    """The optimized graph of the meta model; weight initializers keep their names and have no value."""
+def trace(traceable: hf_model.Traceable, opset: int | None) -> ir.Model:
+    """The optimized graph of a meta model; weight initializers keep their names and have no value."""
     import torch
 
-    from exporters.hf_model import parameter_aliases, rotary_buffers
-    from exporters.onnx_export import EXAMPLE_SHAPE, _name_dims, quiet_export
+    from exporters.hf_model import parameter_aliases
+    from exporters.onnx_export import quiet_export
 
-    example = torch.zeros(EXAMPLE_SHAPE, dtype=torch.int64, device="meta")
-    parameters = set(parameter_aliases(model))
-    buffers = rotary_buffers(config)
+    parameters = set(parameter_aliases(traceable.model))
     with quiet_export() as printed, torch.no_grad(), _quiet_logger("onnx_ir"):
         try:
             program = torch.onnx.export(
-                model,
-                (example,),
+                traceable.model,
+                traceable.args,
                 dynamo=True,
                 opset_version=opset,
                 optimize=False,
-                input_names=["input_ids"],
-                output_names=["logits"],
-                dynamic_shapes={"input_ids": {0: "batch", 1: "seq"}},
+                input_names=traceable.input_names,
+                output_names=traceable.output_names,
+                dynamic_shapes=traceable.dynamic_shapes,
                 verbose=False,
                 report=False,
             )
         except Exception as exc:
             raise RuntimeError(f"torch.onnx.export failed: {exc}\n{printed.getvalue()}") from exc
         for name, value in program.model.graph.initializers.items():
-            if name in buffers:
-                value.const_value = ir.tensor(buffers[name].numpy(), name=name)
+            if name in traceable.buffers:
+                value.const_value = ir.tensor(traceable.buffers[name].numpy(), name=name)
             elif name in parameters:
                 value.const_value = None  # the optimizer neither reads nor folds a value it does not have
             else:
                 raise RuntimeError(f"exported graph has an unexpected initializer {name!r}")
         program.optimize()
     onnx_model = program.model
-    _name_dims(onnx_model)
+    traceable.name_dims(onnx_model)
     return onnx_model
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from exporters.spec import BlockSpec, ModelSpec
 from passes.errors import UserError
 
 LLAMA_FAMILY = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
@@ -424,3 +425,44 @@ def layer_kinds(config: HfConfig) -> list[str]:
         ffn = f"swiglu({layer.ffn_width})" if layer.ffn == "swiglu" else layer.ffn
         kinds.append(f"{attention}+{ffn}")
     return kinds
+
+
+def decode_spec(config: HfConfig) -> ModelSpec:
+    """The exporters.decode ModelSpec of this checkpoint, or UserError naming what the decode graph lacks.
+
+    The decode graph (exporters/decode.py) has one KV-head count, no biases, an FFN in every block, full
+    causal attention, float32 caches and rotary embeddings from fixed frequencies (default, linear, llama3).
+    """
+    where = f"{config.path}: --decode"
+    attention = [layer for layer in config.layers if layer.attention == "gqa"]
+    if any(layer.attention == "linear" for layer in config.layers):
+        raise UserError(f"{where} does not support attention replace_with_linear (block_configs)")
+    if any(layer.ffn != "swiglu" for layer in config.layers):
+        raise UserError(
+            f"{where} needs a SwiGLU FFN in every layer (block_configs: ffn no_op/replace_with_linear)"
+        )
+    if len({layer.kv_heads for layer in attention}) > 1:
+        raise UserError(
+            f"{where} needs one KV-head count for all layers (block_configs n_heads_in_group varies)"
+        )
+    if config.qkv_bias or config.o_bias:
+        raise UserError(f"{where} does not support attention biases (attention_bias / Qwen2)")
+    if any(layer.sliding_window for layer in config.layers):
+        raise UserError(f"{where} does not support sliding-window attention (sliding_window)")
+    if config.rope.rope_type not in ("default", "linear", "llama3"):
+        raise UserError(
+            f"{where} supports rope types default, linear and llama3, not {config.rope.rope_type!r}"
+        )
+    blocks = [BlockSpec(layer.attention == "gqa", layer.ffn_width) for layer in config.layers]
+    kv_heads = attention[0].kv_heads if attention else config.heads
+    return ModelSpec(
+        hidden=config.hidden,
+        heads=config.heads,
+        kv_heads=kv_heads,
+        vocab=config.vocab,
+        blocks=blocks,
+        eps=config.eps,
+        rope_theta=config.rope.theta,
+        tie_embeddings=config.tie_embeddings,
+        head_dim=config.head_dim,
+    )

@@ -14,13 +14,18 @@ base inside the graph from the sequence length, as a fresh transformers model do
 
 from __future__ import annotations
 
+import json
 import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
 from exporters.hf_config import HfConfig, LayerConfig, RopeConfig
 from exporters.llama import MLP, Attention, RMSNorm
+from exporters.spec import ModelSpec
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Buffers whose values the exporter computes (everything else in the graph comes from the checkpoint).
@@ -249,3 +254,76 @@ def parameter_aliases(model: nn.Module) -> dict[str, list[str]]:
     for name, param in model.named_parameters(remove_duplicate=False):
         by_id.setdefault(id(param), []).append(name)
     return {name: names for names in by_id.values() for name in names}
+
+
+@dataclass
+class Traceable:
+    """A meta model and what torch.onnx.export needs to trace it, and the real values of its buffers."""
+
+    model: nn.Module
+    args: tuple
+    input_names: list[str]
+    output_names: list[str]
+    dynamic_shapes: Any
+    buffers: dict[str, torch.Tensor]
+    name_dims: Callable[[Any], None]
+    metadata: dict[str, str] = field(default_factory=dict)
+
+
+def prefill_traceable(config: HfConfig, dtype: torch.dtype) -> Traceable:
+    """forward(input_ids) -> logits, as exporters.onnx_export writes every model."""
+    from exporters.onnx_export import EXAMPLE_SHAPE, _name_dims
+
+    example = torch.zeros(EXAMPLE_SHAPE, dtype=torch.int64, device="meta")
+    return Traceable(
+        build_meta_model(config, dtype),
+        (example,),
+        ["input_ids"],
+        ["logits"],
+        {"input_ids": {0: "batch", 1: "seq"}},
+        rotary_buffers(config),
+        _name_dims,
+    )
+
+
+def decode_traceable(config: HfConfig, spec: ModelSpec) -> Traceable:
+    """exporters.decode's DecodeLlama (float32, KV cache for attention layers), on the meta device.
+
+    Its rotary frequencies are this checkpoint's (linear and llama3 scaling are fixed frequencies).
+    """
+    from exporters import decode
+
+    with torch.device("meta"):
+        model = decode.DecodeLlama(spec).eval()
+    batch, seq, past_len = decode.EXAMPLE_BATCH, decode.EXAMPLE_SEQ, decode.EXAMPLE_PAST
+    ids = torch.zeros((batch, seq), dtype=torch.int64, device="meta")
+    mask = torch.ones((batch, past_len + seq), dtype=torch.int64, device="meta")
+    shape = (batch, spec.kv_heads, past_len, spec.resolved_head_dim)
+    past = [torch.zeros(shape, device="meta") for b in spec.blocks if b.attention for _ in range(2)]
+    layers = model.cache_layers
+    inputs = ["input_ids", "attention_mask", *[n for i in layers for n in decode.past_names(i)]]
+    outputs = ["logits", *[n for i in layers for n in decode.present_names(i)]]
+    dynamic = (
+        {0: "batch", 1: "seq"},
+        {0: "batch", 1: "total"},
+        tuple({0: "batch", 2: "past_len"} for _ in past),
+    )
+    inv_freq, _ = rope_parameters(config.rope, config.head_dim)
+    description = {
+        "format": decode.FORMAT,
+        "cache_layers": layers,
+        "kv_heads": spec.kv_heads,
+        "head_dim": spec.resolved_head_dim,
+        "vocab": spec.vocab,
+        "n_blocks": spec.n_blocks,
+    }
+    return Traceable(
+        model,
+        (ids, mask, *past),
+        inputs,
+        outputs,
+        dynamic,
+        {"model.inv_freq": inv_freq},
+        decode._name_dims,
+        {decode.METADATA_KEY: json.dumps(description)},
+    )

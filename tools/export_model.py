@@ -126,10 +126,8 @@ def main(argv: list[str] | None = None) -> int:
 def export_hf_folder(args: argparse.Namespace) -> int:
     from exporters import hf_checkpoint, spec
 
-    if args.decode:
-        raise UserError("--decode with --hf is not supported yet: export the prefill graph (without "
-                        "--decode), or a decode graph with --smollm2/--spec")
     result = hf_checkpoint.export_hf(args.hf, args.output, dtype=args.dtype, opset=args.opset,
+                                     decode=args.decode,
                                      log=lambda message: print(message, file=sys.stderr, flush=True))
     config = result.config
     files = " + ".join(str(f) for f in result.files)
@@ -139,6 +137,9 @@ def export_hf_folder(args: argparse.Namespace) -> int:
     print(f"  model: {config.architecture} ({config.model_type}) from {args.hf}")
     print(f"  blocks: {len(config.layers)}, with attention: {sum(config.attention_flags)}")
     print(f"  attention-free runs: {spec.format_runs(spec.attention_free_runs(config.attention_flags))}")
+    if args.decode:
+        cached = [i not in result.cache_layers for i in range(len(config.layers))]  # runs of cached layers
+        print(f"  decode graph: KV cache for layers {spec.format_runs(spec.attention_free_runs(cached))}")
     print(f"  parameters: {result.parameters:,}")
     print(f"  time: graph {result.trace_seconds:.1f} s, weights {result.write_seconds:.1f} s")
     return 0

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 import torch
 
@@ -329,6 +330,69 @@ def test_llama_with_dropped_attention_matches_transformers(llama_dropped) -> Non
     assert np.abs(run_onnx(path, ids) - expected).max() <= TOLERANCE * max(1.0, np.abs(expected).max())
     ops = {n.op_type for n in onnx.load(str(path), load_external_data=False).graph.node}
     assert "Softmax" in ops
+
+
+# ------------------------------------------------------------------------------------------ decode graphs
+
+DECODE_BLOCKS = [
+    deci_block(2, 1.0),
+    deci_block("no_op", 2.625),
+    deci_block("no_op", 0.5),
+    deci_block(2, 5.25),
+]
+
+
+def prefill_then_decode(path: Path, ids: np.ndarray, prefill: int) -> np.ndarray:
+    """Logits of ids[:, :prefill] from an empty cache, then of the rest from the returned cache."""
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    names = [i.name for i in session.get_inputs()][2:]
+    meta = json.loads(
+        {p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props}[
+            "ffn_fusion.decode"
+        ]
+    )
+    shape = (ids.shape[0], meta["kv_heads"], 0, meta["head_dim"])
+    past = {n: np.zeros(shape, np.float32) for n in names}
+    first = session.run(
+        None, {"input_ids": ids[:, :prefill], "attention_mask": np.ones_like(ids[:, :prefill]), **past}
+    )
+    cache = dict(zip(names, first[1:], strict=True))
+    second = session.run(None, {"input_ids": ids[:, prefill:], "attention_mask": np.ones_like(ids), **cache})
+    return np.concatenate([first[0], second[0]], axis=1)
+
+
+def test_decode_graph_llama_matches_transformers(llama_dropped, tmp_path) -> None:
+    folder, _ = llama_dropped
+    path = tmp_path / "decode" / "model.onnx"
+    result = export_hf(folder, path, decode=True)
+    assert result.cache_layers == [0, 4]  # layers 1-3 have no attention and no cache
+    ids = tokens()
+    expected = transformers_logits(folder, ids)
+    got = prefill_then_decode(path, ids, prefill=7)
+    assert np.abs(got - expected).max() <= TOLERANCE * max(1.0, np.abs(expected).max())
+
+
+def test_decode_graph_nemotron_matches_reference(tmp_path) -> None:
+    config = nemotron_config(
+        DECODE_BLOCKS, hidden=256, heads=8, vocab=VOCAB, rope_scaling=NEMOTRON_ROPE, rope_theta=10000.0
+    )
+    folder = write_nemotron(tmp_path / "ckpt", config, shards=2, seed=2)
+    path = tmp_path / "decode" / "model.onnx"
+    export_hf(folder, path, decode=True)  # float32 from the bf16 checkpoint
+    ids = tokens()
+    expected = reference_logits(folder, ids)
+    got = prefill_then_decode(path, ids, prefill=5)
+    assert np.abs(got - expected).max() <= TOLERANCE * max(1.0, np.abs(expected).max())
+
+
+def test_decode_refuses_what_the_decode_graph_lacks(nemotron_folder, tmp_path) -> None:
+    from passes.errors import UserError
+
+    with pytest.raises(UserError, match="replace_with_linear"):
+        export_hf(nemotron_folder, tmp_path / "m.onnx", decode=True)
+    with pytest.raises(UserError, match="float32"):
+        export_hf(nemotron_folder, tmp_path / "m.onnx", decode=True, dtype="bfloat16")
+    assert not any(tmp_path.iterdir())
 
 
 # ------------------------------------------------------------------------------------------ the folder
