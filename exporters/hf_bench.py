@@ -100,7 +100,7 @@ def bench(
     work: Path,
     hidden: int = 2048,
     heads: int = 16,
-    layers: int = 36,
+    layers: int = 72,
     vocab: int = 32000,
     shards: int = 8,
     convert: bool = False,

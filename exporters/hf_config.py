@@ -272,20 +272,14 @@ def _rope(r: _Reader) -> RopeConfig:
     max_positions = r.int("max_position_embeddings", 2048)
     if rope_type == "default":
         return RopeConfig("default", theta, max_positions=max_positions)
-    factor = (
-        r.float(f"{name}.factor", ..., params)
-        if rope_type != "yarn"
-        else r.float(f"{name}.factor", None, params)
-        if params.get("factor") is not None
-        else None
-    )
     original = r.int(
         f"{name}.original_max_position_embeddings",
         r.data.get("original_max_position_embeddings") or max_positions,
         params,
     )
-    if factor is None:  # yarn without a factor: transformers derives it
-        factor = max_positions / original
+    # yarn may leave the factor out: transformers then derives it from the two lengths.
+    derived = max_positions / original if rope_type == "yarn" else ...
+    factor = r.float(f"{name}.factor", derived, params)
     optional = {
         k: r.float(f"{name}.{k}", None, params, positive=False)
         for k in ("mscale", "mscale_all_dim", "attention_factor")

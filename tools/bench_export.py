@@ -3,7 +3,7 @@
 Measures, side by side and each in a fresh child process (peak RSS from /proc VmHWM): a plain copy of the
 checkpoint's safetensors files, the bf16 export, and with --convert the float16 export. Bounds: peak RSS
 <= 1 GB + the largest single tensor, time within 2x of the copy (exporters/hf_bench.py).
-Default: hidden 2048, 36 layers (every other one attention-free), vocab 32000: about 4 GB bf16; needs
+Default: hidden 2048, 72 layers (every other one attention-free), vocab 32000: about 3.8 GB bf16; needs
 about 2.5x that of free disk in --workdir (default /tmp); everything is deleted afterwards.
 
   python tools/bench_export.py [--workdir DIR] [--convert] [--json]
@@ -27,7 +27,7 @@ def main() -> int:
     )
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--layers", type=int, default=36)
+    parser.add_argument("--layers", type=int, default=72)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--shards", type=int, default=8)
     parser.add_argument("--convert", action="store_true", help="also export with --dtype float16")

