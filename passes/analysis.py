@@ -217,28 +217,37 @@ class BlockRunner:
             self.cuts[k].proto = onnx.ModelProto()  # the session holds the weights now
         return self._sessions[k]
 
-    def capture(self, tokens: np.ndarray, extra: Iterable[str] = ()) -> dict[str, np.ndarray]:
+    def capture(
+        self, tokens: np.ndarray, extra: Iterable[str] = (), only: bool = False
+    ) -> dict[str, np.ndarray]:
         """Run the whole model once; keep logits, every block's input/output, all side tensors and the
-        `extra` values (e.g. the stream entering a block's FFN, after its attention)."""
+        `extra` values (e.g. the stream entering a block's FFN, after its attention). With `only`, keep
+        just the side tensors and `extra` (no logits): ONNX Runtime then skips the blocks after the last
+        value asked for, and the lm_head."""
         proto = self.proto
         _fill_stream_types(proto, self.blocks, extra)
         types = _value_types(proto)
         feed = input_feed(proto, tokens)
-        existing = [o.name for o in proto.graph.output]
-        names = {c.input_name for c in self.cuts} | {c.output_name for c in self.cuts} | set(extra)
-        names |= {n for c in self.cuts for n in c.side_inputs}
+        saved = list(proto.graph.output)
+        existing = [] if only else [o.name for o in saved]
+        names = set(extra) | {n for c in self.cuts for n in c.side_inputs}
+        if not only:
+            names |= {c.input_name for c in self.cuts} | {c.output_name for c in self.cuts}
         wanted = sorted(names - set(feed) - set(existing))
+        if only:
+            del proto.graph.output[:]
         proto.graph.output.extend(types[n] for n in wanted)  # temporarily: the proto holds the weights
         try:
             sess = session(proto, self.path.parent, self.threads)
         finally:
-            del proto.graph.output[len(existing) :]
+            del proto.graph.output[:]
+            proto.graph.output.extend(saved)
         values = sess.run(None, feed)
         del sess
         outputs = dict(zip(existing + wanted, values, strict=True))
         outputs.update(feed)
         self.side = {n: outputs[n] for c in self.cuts for n in c.side_inputs}
-        self.logits = outputs[existing[0]]
+        self.logits = None if only else outputs[existing[0]]
         return outputs
 
     def close(self) -> None:

@@ -307,7 +307,7 @@ class _Streams:
         self.chunks += [self._capture(t, True) for t in _split(heldout)]
 
     def _capture(self, tokens: np.ndarray, held_out: bool) -> _Chunk:
-        captured = self.runner.capture(tokens, extra=sorted(self.keep))
+        captured = self.runner.capture(tokens, extra=sorted(self.keep), only=True)
         return _Chunk(tokens, dict(self.runner.side), {n: captured[n] for n in self.keep}, held_out)
 
     def run_blocks(self, chunk: _Chunk, stream: np.ndarray, start: int, stop: int) -> np.ndarray:
