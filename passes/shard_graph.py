@@ -196,14 +196,23 @@ def find_structure(model: ir.Model, world: World | None = None) -> TpStructure:
         raise UserError("no token embedding found: expected Gather(embedding weight, input_ids)")
     stream = embedding.output
     branches: list[Branch] = []
-    while (found := _residual(stream)) is not None:
+    normalized: ir.Value | None = None  # after a Skip*Normalization, the branch reads its output 0
+    while stream is not None and (found := _residual(stream)) is not None:
         residual, branch_value, read = found
-        branches.append(_branch(len(branches), read, residual, branch_value, order, world))
-        stream = residual.outputs[0]
+        branches.append(_branch(len(branches), normalized or read, residual, branch_value, order, world))
+        if residual.op_type in SKIP_NORMS:
+            normalized = residual.outputs[0]
+            out = residual.outputs[3] if len(residual.outputs) > 3 else None
+            stream = out if out is not None and out.uses() else None
+        else:
+            normalized, stream = None, residual.outputs[0]
+    if stream is None:
+        stream = normalized
     if not branches:
         raise UserError(
             "no residual branches found after the token embedding (expected Add(stream, MatMul(...)))"
         )
+    assert stream is not None
     head, after = _lm_head(graph, stream)
     if len(after) > 1:
         names = ", ".join(repr(n.name) for n in after[:3])
@@ -251,7 +260,8 @@ def _residual(stream: ir.Value) -> tuple[ir.Node, ir.Value, ir.Value] | None:
     for alias in aliases(stream):
         for use in alias.uses():
             node = use.node
-            if node.op_type == "Add" and use.idx in (0, 1) and len(node.inputs) == 2:
+            residual = node.op_type == "Add" and len(node.inputs) == 2
+            if (residual or node.op_type in SKIP_NORMS) and use.idx in (0, 1):
                 other = node.inputs[1 - use.idx]
                 if other is not alias and _linear_end(other) is not None:
                     found.append((node, other, alias))
