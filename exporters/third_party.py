@@ -52,7 +52,8 @@ from passes.model_map import AttentionBlock, build_model_map
 CORPUS_VERSION = "1"  # bump when an entry's recipe changes: the cache key
 ROOT = Path(__file__).resolve().parents[1]
 OPTIMUM_VENV = ROOT / ".venv-optimum"
-OPTIMUM_REQUIREMENTS = ("optimum-onnx==0.1.0", "transformers>=4.57,<4.58")
+# onnx and onnxruntime: Optimum needs them to fix the exported dynamic axes (not its own dependencies).
+OPTIMUM_REQUIREMENTS = ("optimum-onnx==0.1.0", "transformers>=4.57,<4.58", "onnx", "onnxruntime")
 TORCH_PIN = "torch==2.13.0"  # the CPU build (DESIGN 5), installed first
 DROPPED: tuple[int, ...] = tuple(range(13, 23))
 ENTRIES = ("optimum", "optimum-nopast", "genai-fp32", "genai-int4", "torchscript-17", "ort-optimizer",
@@ -82,14 +83,16 @@ def optimum_python() -> Path:
 def ensure_optimum_venv(log: Log = print) -> Path:
     """The Optimum venv's python, created (torch pinned first, then optimum-onnx) when missing."""
     stamp = OPTIMUM_VENV / ".installed"
-    if stamp.exists():
+    wanted = " ".join((TORCH_PIN, *OPTIMUM_REQUIREMENTS))
+    if stamp.exists() and stamp.read_text() == wanted:
         return optimum_python()
     log(f"creating {OPTIMUM_VENV} (transformers 4.57 for Optimum, DESIGN 5)")
-    _run([sys.executable, "-m", "venv", str(OPTIMUM_VENV)])
+    if not optimum_python().exists():
+        _run([sys.executable, "-m", "venv", str(OPTIMUM_VENV)])
     pip = [str(optimum_python()), "-m", "pip", "install", "--quiet"]
     _run([*pip, TORCH_PIN])
     _run([*pip, *OPTIMUM_REQUIREMENTS])
-    stamp.touch()
+    stamp.write_text(wanted)
     return optimum_python()
 
 
