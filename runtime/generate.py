@@ -40,6 +40,9 @@ class DecodeModel:
             [(i.name, np.dtype(i.dtype), i.shape) for i in backend.inputs],
             [(name, np.dtype(np.float32), ()) for name in backend.outputs],
         )
+        symbolic = [c for c in self.signature.cache_inputs if c.static(1) is None or c.static(3) is None]
+        if symbolic and isinstance(getattr(backend, "path", None), Path):
+            self.signature = Signature.of(backend.path)  # GenAI's symbolic head dim, read from the graph
         roles = {i.name: i for i in self.signature.inputs}
         if self.signature.ids is None:
             raise UserError(f"{backend.name}: the graph has no input_ids input (inputs: {names})")
@@ -69,10 +72,10 @@ class DecodeModel:
 
     def empty_cache(self, batch: int) -> dict[str, np.ndarray]:
         cache = {}
-        for info in self.past:
-            _, kv, _, head_dim = info.shape
-            if not isinstance(kv, int) or not isinstance(head_dim, int):
-                raise UserError(f"{info.name} has shape {info.shape}: KV heads and head_dim must be static")
+        for info in self.signature.cache_inputs:
+            kv, head_dim = info.static(1), info.static(3)
+            if kv is None or head_dim is None:
+                raise UserError(f"{info.name} has shape {info.dims}: KV heads and head_dim must be static")
             cache[info.name] = np.zeros((batch, kv, 0, head_dim), dtype=info.dtype)
         return cache
 

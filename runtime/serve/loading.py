@@ -134,6 +134,7 @@ def load(
 ) -> ServedModel:
     source = resolve(target, backend)
     model = DecodeModel(open_backend(source, device, threads))
+    model.empty_cache(1)  # a cache that cannot be made (symbolic KV dims) fails now, not at the first request
     tokenizer = load_tokenizer(source.folder, model.backend.vocab)
     config = _read_json(source.folder / "config.json")
     genai = _read_json(source.folder / "genai_config.json").get("model", {})

@@ -548,3 +548,48 @@ def test_smollm2_greedy_text_equals_transformers(smollm2_decode_onnx):
         ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids)
         assert chat.choices[0].message.content == reference(ids, 12)
         assert chat.usage.prompt_tokens == len(ids)
+
+
+@pytest.fixture(scope="module")
+def corpus_reference(corpus_hf):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(corpus_hf, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(corpus_hf)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("entry", ["optimum", "optimum-nopast", "genai-fp32"])
+def test_third_party_export_folders_serve_like_transformers(third_party_corpus, corpus_reference, entry):
+    """Optimum's (with and without past) and ONNX Runtime GenAI's export folders of SmolLM2 (attention
+    dropped from 13-22; exporters/third_party.py), served as folders: greedy text equals transformers'
+    greedy generation of the Hugging Face folder they came from, alone and among concurrent requests."""
+    hf, tokenizer = corpus_reference
+    served = loading.load(third_party_corpus[entry].parent)
+    assert served.model.cached == (entry != "optimum-nopast")
+    prompts = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,"]
+
+    def reference(prompt: str) -> str:
+        ids = torch.tensor([tokenizer(prompt)["input_ids"]])
+        with torch.no_grad():
+            out = hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=8,
+                do_sample=False,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.eos_token_id,
+            )
+        return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+
+    with ServerThread(served) as other:
+        api = openai.OpenAI(base_url=other.url + "/v1", api_key="none", max_retries=0, timeout=300)
+
+        def run(prompt: str) -> str:
+            reply = api.completions.create(model=served.id, prompt=prompt, max_tokens=8, temperature=0)
+            return reply.choices[0].text
+
+        alone = [run(p) for p in prompts]
+        assert alone == [reference(p) for p in prompts]
+        with cf.ThreadPoolExecutor(3) as pool:
+            assert list(pool.map(run, prompts)) == alone
