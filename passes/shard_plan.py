@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass
 
 from passes.errors import UserError
+from passes.shard_graph import Branch, TpStructure, WeightRef
 
 VALID_TP = (1, 2, 4, 8)
 PAD = -1  # an index that reads as zero (padding)
@@ -117,3 +118,67 @@ def kv_layout(heads: int, kv_heads: int, tp: int, rank: int) -> tuple[int, int]:
     sources = plan.kv_sources(rank)
     real = [s for s in sources if s is not None]
     return (real[0] if real else 0), len(sources)
+
+
+@dataclass(frozen=True)
+class WeightSlice:
+    """Rows (axis 0) or columns (axis 1) of a linear layer's [in, out] weight, gathered by index.
+
+    An index PAD reads as zeros (padding)."""
+
+    ref: WeightRef
+    axis: int
+    indices: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return len(self.indices)
+
+
+def plan_slices(structure: TpStructure, tp: int, rank: int, lm_head: str) -> list[WeightSlice]:
+    slices: list[WeightSlice] = []
+    for branch in structure.branches:
+        if branch.kind == "attention":
+            slices += _attention_slices(branch, HeadPlan(branch.heads, branch.kv_heads, tp), rank)
+        else:
+            per = math.ceil(branch.width / tp)
+            cols = tuple(padded_range(rank * per, (rank + 1) * per, branch.width))
+            slices += [WeightSlice(c, 1, cols) for c in branch.columns]
+            slices.append(WeightSlice(branch.row, 0, cols))
+    if lm_head == "vocab":
+        if structure.lm_head is None:
+            raise UserError("lm_head='vocab': no lm_head (final linear layer reaching an output) found")
+        vocab = structure.lm_head.matrix_shape()[1]
+        per = math.ceil(vocab / tp)
+        slices.append(
+            WeightSlice(structure.lm_head, 1, tuple(padded_range(rank * per, (rank + 1) * per, vocab)))
+        )
+    return slices
+
+
+def _attention_slices(branch: Branch, plan: HeadPlan, rank: int) -> list[WeightSlice]:
+    """q/k/v columns and o_proj rows of this rank's heads (a packed qkv weight: one gathered slice)."""
+    assert branch.q is not None and branch.k is not None and branch.v is not None
+    hd = branch.head_dim
+    q_heads, kv_heads = plan.q_sources(rank), plan.kv_sources(rank)
+    q = head_columns(q_heads, hd)
+    row = WeightSlice(branch.row, 0, tuple(q))
+    if branch.packed:
+        q_off, k_off, v_off = branch.offsets
+        cols = head_columns(q_heads, hd, q_off) + head_columns(kv_heads, hd, k_off)
+        cols += head_columns(kv_heads, hd, v_off)
+        return [WeightSlice(branch.q, 1, tuple(cols)), row]
+    kv = tuple(head_columns(kv_heads, hd))
+    return [
+        WeightSlice(branch.q, 1, tuple(q)),
+        WeightSlice(branch.k, 1, kv),
+        WeightSlice(branch.v, 1, kv),
+        row,
+    ]
+
+
+def sliced_shape(s: WeightSlice) -> tuple[int, int]:
+    rows, cols = s.ref.matrix_shape()
+    n = s.size
+    shape = (n, cols) if s.axis == 0 else (rows, n)
+    return (shape[1], shape[0]) if s.ref.transposed else shape
