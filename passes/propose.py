@@ -36,11 +36,13 @@ class GroupChoice:
     max_dependency: float
     width: int
     stopped: str  # why the group does not extend to the next block
+    healed_error: float | None = None  # with a healed cost (analyze.py --heal): its held-out error
 
     def line(self) -> str:
         i, j = self.group
+        healed = "" if self.healed_error is None else f", healed error {self.healed_error:.3f}"
         return (
-            f"group [{i}, {j}]: {j - i + 1} FFNs, max dependency inside {self.max_dependency:.3f}, "
+            f"group [{i}, {j}]: {j - i + 1} FFNs, max dependency inside {self.max_dependency:.3f}{healed}, "
             f"width {self.width}; stops: {self.stopped}"
         )
 
@@ -70,6 +72,7 @@ class Proposal:
                     "max_dependency": g.max_dependency,
                     "width": g.width,
                     "stopped": g.stopped,
+                    **({} if g.healed_error is None else {"healed_error": g.healed_error}),
                 }
                 for g in self.groups
             ],
@@ -96,8 +99,11 @@ def propose(
     max_group: int | None = None,
     max_width: int | None = None,
     start_at_attention: bool = False,
+    healed_cost: Callable[[int, int], float] | None = None,
 ) -> Proposal:
-    """Groups for each attention-free run (final FFN left out); see the module docstring for the rules."""
+    """Groups for each attention-free run (final FFN left out); see the module docstring for the rules.
+    With `healed_cost` (the error a group keeps after healing, e.g. runtime.heal.HealedCosts), a group's
+    cost is that instead of its largest pairwise dependency, and `threshold` bounds it."""
     n = len(attention)
     if len(widths) != n or np.shape(dependency) != (n, n):
         raise UserError(f"{n} blocks but {len(widths)} widths and a {np.shape(dependency)} dependency matrix")
@@ -105,7 +111,7 @@ def propose(
         raise UserError(f"--max-group {max_group}: a group fuses at least 2 blocks")
     if threshold < 0 or math.isnan(threshold):
         raise UserError(f"threshold {threshold} must be >= 0")
-    limits = _Limits(dependency, widths, threshold, max_group, max_width)
+    limits = _Limits(dependency, widths, threshold, max_group, max_width, healed_cost)
     groups, notes = [], []
     for a, b in attention_free_runs(attention):
         first = a - 1 if start_at_attention and a > 0 else a
@@ -133,6 +139,13 @@ class _Limits:
     threshold: float
     max_group: int | None
     max_width: int | None
+    healed_cost: Callable[[int, int], float] | None = None
+
+    def cost(self, first: int, last: int) -> float:
+        """The group's cost: its healed error, else its largest pairwise dependency."""
+        if self.healed_cost is None or last <= first:
+            return group_max_dependency(self.dependency, first, last)
+        return float(self.healed_cost(first, last))
 
     def violation(self, first: int, last: int) -> str | None:
         """Why [first, last] cannot be a group, or None if it can."""
@@ -144,6 +157,14 @@ class _Limits:
         width = sum(self.widths[first : last + 1])
         if self.max_width is not None and width > self.max_width:
             return f"adding block {last} would make the width {width} > --max-width {self.max_width}"
+        if self.healed_cost is not None:
+            healed = self.cost(first, last)
+            if healed > self.threshold:
+                return (
+                    f"adding block {last} would raise the healed error to {healed:.3f} "
+                    f"> threshold {self.threshold:g}"
+                )
+            return None
         worst = group_max_dependency(self.dependency, first, last)
         if worst > self.threshold:
             k, m = _argmax_pair(self.dependency, first, last)
@@ -171,7 +192,7 @@ def _split(limits: _Limits, first: int, last: int) -> list[tuple[int, int]]:
             if limits.violation(*g) is not None:
                 break  # every limit is monotone: a longer group violates it too
             steps, cost, _ = best[begin]
-            candidate = (steps + 1, cost + group_max_dependency(limits.dependency, *g), begin)
+            candidate = (steps + 1, cost + limits.cost(*g), begin)
             if candidate[:2] < best[end][:2]:
                 best[end] = candidate
     groups, end = [], length
@@ -191,7 +212,8 @@ def _explain(limits: _Limits, group: tuple[int, int], region_last: int, run_last
             f"block {last + 1} starts the next group (fewer groups overall / lower dependency that way)"
         )
     width = int(sum(limits.widths[first : last + 1]))
-    return GroupChoice(group, group_max_dependency(limits.dependency, first, last), width, stopped)
+    healed = limits.cost(first, last) if limits.healed_cost is not None else None
+    return GroupChoice(group, group_max_dependency(limits.dependency, first, last), width, stopped, healed)
 
 
 # ---------------------------------------------------------------------------------------------- norm mode

@@ -39,7 +39,7 @@ from passes.errors import UserError
 from passes.graph import strip_cast
 from passes.model_io import commit_output, load_model, save_model, staged_output
 from passes.plan import Plan
-from passes.reference import parallel_sum
+from passes.reference import norm_weight, parallel_sum
 from passes.validate import exactness_tolerance, plan_from_metadata
 from runtime.evaluate import QualityResult, evaluate, format_table
 from runtime.text import (
@@ -61,7 +61,7 @@ CHUNK_WINDOWS = 8  # windows per whole-model capture run (bounds the logits held
 
 @dataclass(frozen=True)
 class HealConfig:
-    steps: int = 300
+    steps: int = 0  # Adam steps on all weights before the refit; measured: no gain over the refit alone
     lr: float = 3e-4
     batch_tokens: int = 1024  # tokens per Adam step (sampled from the calibration tokens)
     inputs: str = "healed"
@@ -550,7 +550,7 @@ def check_written(path: Path, pair: HealPair, saved: dict, tokens: np.ndarray) -
 
 @dataclass(frozen=True)
 class HealDefaults:
-    tokens: int = 4096  # calibration tokens
+    tokens: int = 8192  # calibration tokens
     heldout_tokens: int = 512  # per held-out text set, for the per-group errors
     eval_tokens: int = 1024  # per held-out text set, for the whole-model quality
     window: int = 128
@@ -670,3 +670,96 @@ def run_heal(
         before = evaluate(original, fused, sets, progress=False)
         after = evaluate(original, result.output, sets, progress=False)
     return HealReport(result, before, after, time.perf_counter() - start)
+
+
+# ---------------------------------------------------------------------------------------------- analysis
+
+
+def concatenated(group: list[Block], mode: str) -> FusedFFN:
+    """The exact wide FFN that fusing `group` with norm `mode` gives (as passes/fuse.py builds it), read
+    from the original blocks: gate/up concatenated along the width (rows scaled by each block's own norm
+    weight for "fold", unit norm), down along its input dimension."""
+    parts = {"gate": [], "up": [], "down": []}
+    for block in group:
+        scale = norm_weight(block) if mode == "fold" else None
+        for key, part in parts.items():
+            weight = getattr(block.ffn, key)
+            matrix = weight.matrix().astype(np.float32)
+            weight.release()
+            part.append(
+                matrix * scale[:, None].astype(np.float32) if scale is not None and key != "down" else matrix
+            )
+    hidden = parts["gate"][0].shape[0]
+    last = norm_weight(group[-1]) if mode == "last" else None
+    norm = np.ones(hidden, np.float32) if last is None else last.astype(np.float32)
+    gate, up = (np.concatenate(parts[k], axis=1) for k in ("gate", "up"))
+    return FusedFFN(gate, up, np.concatenate(parts["down"]), norm, group[-1].norm.eps)
+
+
+@dataclass(frozen=True)
+class GroupCost:
+    """A candidate group's relative squared error (calibration, held-out), exact fusion and healed."""
+
+    group: tuple[int, int]
+    calib_before: float
+    calib_after: float
+    heldout_before: float
+    heldout_after: float
+
+    def row(self) -> dict:
+        return {**asdict(self), "group": list(self.group)}
+
+
+class HealedCosts:
+    """Healed errors of candidate groups of an unfused model, measured on demand (and cached): the exact
+    concatenation, its down projection refitted in closed form (refit_down) on calibration windows with
+    inputs from the original model, then scored on the held-out windows. One capture of the streams."""
+
+    def __init__(
+        self,
+        model: str | Path,
+        calib: np.ndarray,
+        heldout: np.ndarray,
+        mode: str = "fold",
+        ridge: float = HealConfig.ridge,
+        log: Callable[[str], None] = lambda message: None,
+    ):
+        self.runner = BlockRunner(model)
+        self.blocks, self.mode, self.ridge, self.log = self.runner.blocks, mode, ridge, log
+        names = sorted(
+            {b.ffn_input.name for b in self.blocks} | {b.residual.output.name for b in self.blocks}
+        )
+        self.streams = [
+            (held, self.runner.capture(tokens, extra=names, only=True))
+            for held, data in ((False, calib), (True, heldout))
+            for tokens in _split(data)
+        ]
+        self.runner.close()
+        self.costs: dict[tuple[int, int], GroupCost] = {}
+
+    def _rows(self, name: str, held: bool) -> np.ndarray:
+        return _rows([c[name] for h, c in self.streams if h == held])
+
+    def __call__(self, first: int, last: int) -> GroupCost:
+        if (first, last) not in self.costs:
+            start = time.perf_counter()
+            x_in, y_out = self.blocks[first].ffn_input.name, self.blocks[last].residual.output.name
+            (x, y), (xh, yh) = ((self._rows(x_in, h), self._rows(y_out, h)) for h in (False, True))
+            module = concatenated(self.blocks[first : last + 1], self.mode)
+            before = (
+                relative_squared_error(module.apply(x), x, y),
+                relative_squared_error(module.apply(xh), xh, yh),
+            )
+            refit_down(module, x, y, self.ridge)
+            after = (
+                relative_squared_error(module.apply(x), x, y),
+                relative_squared_error(module.apply(xh), xh, yh),
+            )
+            cost = GroupCost((first, last), before[0], after[0], before[1], after[1])
+            self.log(
+                f"healed cost of [{first}, {last}]: held-out relative squared error "
+                f"{cost.heldout_before:.3f} "
+                f"-> {cost.heldout_after:.3f} ({time.perf_counter() - start:.1f} s)"
+            )
+            self.costs[(first, last)] = cost
+        return self.costs[(first, last)]

@@ -10,12 +10,16 @@ import time
 from pathlib import Path
 
 from passes.analysis import BlockRunner, analyze, plot_dependency
-from passes.blocks import find_blocks
-from passes.errors import run_cli
+from passes.blocks import find_blocks, vocab_size
+from passes.errors import UserError, run_cli
 from passes.model_io import load_model
 from passes.plan import NORM_MODES, validate_plan
 from passes.propose import DEFAULT_THRESHOLD, NormChoice, choose_norm, propose
 from runtime.text import calibration_tokens, windows
+
+# Default bound on a group's held-out relative squared error after healing (--heal): the error the default
+# unhealed proposal's group has on the pruned SmolLM2 ([17, 18]: 0.20; docs/heal.md).
+HEAL_THRESHOLD = 0.2
 
 EPILOG = """\
 examples:
@@ -62,9 +66,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="auto",
         help="norm mode of the plan: auto (default) fuses with both and keeps the lower logits error",
     )
+    parser.add_argument(
+        "--heal",
+        action="store_true",
+        help="bound each group's healed error instead of its max dependency (runtime/heal.py, torch)",
+    )
+    parser.add_argument(
+        "--heal-threshold",
+        type=float,
+        default=HEAL_THRESHOLD,
+        help=f"with --heal: largest held-out relative squared error after healing (default {HEAL_THRESHOLD})",
+    )
+    parser.add_argument(
+        "--heal-tokens",
+        type=int,
+        default=2048,
+        help="with --heal: calibration tokens for the healed costs, 3/4 fitted, 1/4 held out (default 2048)",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
-    for name in ("num_tokens", "window"):
+    for name in ("num_tokens", "window", "heal_tokens"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     return args
@@ -89,14 +110,16 @@ def main(argv: list[str] | None = None) -> int:
     del runner  # its subgraphs and sessions hold the weights; the trial fusions load them again
     gc.collect()
     attention = [b.attention for b in analysis.blocks]
+    healed = _healed_costs(args) if args.heal else None
     proposal = propose(
         attention,
         [b.ffn_width for b in analysis.blocks],
         analysis.dependency,
-        threshold=args.threshold,
+        threshold=args.heal_threshold if healed else args.threshold,
         max_group=args.max_group,
         max_width=args.max_width,
         start_at_attention=args.start_at_attention,
+        healed_cost=(lambda i, j: healed(i, j).heldout_after) if healed else None,
     )
     print("\n".join(proposal.lines()))
     groups = [g.group for g in proposal.groups]
@@ -117,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         "seconds_total": round(time.perf_counter() - start, 2),
         "proposal": proposal.to_json(),
         "norm_errors": norm.errors,
+        **({"healed_costs": [c.row() for c in healed.costs.values()]} if healed else {}),
         "plan": json.loads(plan.to_json()),
     }
     (args.out / "analysis.json").write_text(json.dumps(report, indent=1) + "\n")
@@ -128,6 +152,21 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {args.out / 'analysis.json'}, {args.out / 'dependency.png'}, {args.out / 'plan.json'}")
     print(f"total time {time.perf_counter() - start:.1f} s")
     return 0
+
+
+def _healed_costs(args: argparse.Namespace):
+    """Healed errors of candidate groups, measured on demand (torch; runtime/heal.py)."""
+    from runtime.heal import HealedCosts, calibration_windows
+
+    vocab = vocab_size(find_blocks(load_model(args.model)))
+    source = [args.tokens] if args.tokens else args.text
+    data, where = calibration_windows(vocab, source, args.heal_tokens, args.window)
+    if len(data) < 2:
+        raise UserError(f"--heal needs at least 2 windows of calibration tokens, {where} gives {len(data)}")
+    split = max(1, len(data) * 3 // 4)
+    print(f"healed costs: {where}: {split} windows fitted, {len(data) - split} held out")
+    mode = "last" if args.norm == "last" else "fold"
+    return HealedCosts(args.model, data[:split], data[split:], mode, log=lambda m: print(m, file=sys.stderr))
 
 
 if __name__ == "__main__":

@@ -18,13 +18,16 @@ from passes.fp8 import ORT_DISABLED_OPTIMIZERS, calibrate, quantize_fp8
 from passes.model_io import load_model, save_model
 from passes.pipeline import fuse_file
 from passes.plan import Plan
-from runtime.heal import HEAL_METADATA_KEY, HealConfig, heal, run_heal
+from passes.propose import propose
+from runtime.heal import HEAL_METADATA_KEY, HealConfig, HealedCosts, heal, run_heal
 from runtime.text import windows
 
 # Groups starting at an attention block (its attention stays) and a plain block between the groups.
 BLOCKS = [(True, 48), (True, 64), (False, 40), (True, 32), (True, 56), (False, 24), (False, 40)]
 PLAN_GROUPS = ((1, 2), (4, 6))
-SMALL = HealConfig(steps=40, lr=3e-3, batch_tokens=256)
+SMALL = HealConfig(steps=20, lr=3e-3, batch_tokens=256)
+# An attention-free run 1-4 (fusable 1-3) for the healed-cost proposal.
+RUN_BLOCKS = [(True, 48), (False, 64), (False, 40), (False, 56), (False, 32), (True, 48)]
 
 
 def _ids(folder: Path, name: str, count: int, seed: int) -> Path:
@@ -33,16 +36,31 @@ def _ids(folder: Path, name: str, count: int, seed: int) -> Path:
     return path
 
 
+_models: dict[str, tuple] = {}
+
+
+def _healed_model(mode: str, tmp_path_factory) -> tuple:
+    """(folder, original, fused, report) for the synthetic model fused with `mode`, healed once per run."""
+    if mode not in _models:
+        folder = tmp_path_factory.mktemp(f"heal_{mode}")
+        original = build_synthetic(SyntheticSpec(hidden=32, blocks=BLOCKS, seed=5), folder / "m.onnx")
+        fused = fuse_file(original, Plan(PLAN_GROUPS, mode), folder / "m.fused.onnx").output
+        calib, held = _ids(folder, "calib.npy", 2048, 1), _ids(folder, "held.npy", 512, 2)
+        report = run_heal(
+            original, fused, folder / "m.healed.onnx", SMALL, calib=[calib], heldout=[held], window=64
+        )
+        _models[mode] = (folder, original, fused, report)
+    return _models[mode]
+
+
 @pytest.fixture(scope="module", params=["last", "fold"])
 def synthetic(request, tmp_path_factory):
-    folder = tmp_path_factory.mktemp(f"heal_{request.param}")
-    original = build_synthetic(SyntheticSpec(hidden=32, blocks=BLOCKS, seed=5), folder / "m.onnx")
-    fused = fuse_file(original, Plan(PLAN_GROUPS, request.param), folder / "m.fused.onnx").output
-    calib, held = _ids(folder, "calib.npy", 2048, 1), _ids(folder, "held.npy", 512, 2)
-    report = run_heal(
-        original, fused, folder / "m.healed.onnx", SMALL, calib=[calib], heldout=[held], window=64
-    )
-    return folder, original, fused, report
+    return _healed_model(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def folded(tmp_path_factory):
+    return _healed_model("fold", tmp_path_factory)
 
 
 def _initializers(path: Path) -> dict[str, np.ndarray]:
@@ -91,8 +109,8 @@ def test_original_inputs_mode_and_measure_only(synthetic):
     assert result.groups[0].calib_after == pytest.approx(result.groups[0].calib_before, rel=1e-6)
 
 
-def test_fp8_after_healing(synthetic, tmp_path):
-    folder, *_, report = synthetic
+def test_fp8_after_healing(folded, tmp_path):
+    folder, *_, report = folded
     healed = report.result.output
     ids = windows(np.load(folder / "held.npy"), 64)[:2]
     scales = calibrate(healed, [ids[:1], ids[1:]], progress=False)
@@ -111,8 +129,8 @@ def test_fp8_after_healing(synthetic, tmp_path):
     assert 0 < rel < 0.1
 
 
-def test_bad_input_is_one_line(synthetic, tool, tmp_path):
-    folder, original, fused, report = synthetic
+def test_bad_input_is_one_line(folded, tool, tmp_path):
+    folder, original, fused, report = folded
     other = build_synthetic(SyntheticSpec(hidden=32, blocks=BLOCKS, seed=6), tmp_path / "other.onnx")
     empty = tmp_path / "empty.txt"
     empty.write_text("\n")
@@ -159,3 +177,45 @@ def test_heal_smollm2_lowers_heldout_kl(smollm2_pruned_onnx, tmp_path):
     before, after = report.before[-1], report.after[-1]
     assert after.kl < 0.8 * before.kl
     assert after.top1_agreement > before.top1_agreement
+
+
+def test_healed_costs_drive_the_proposal(folded, tmp_path, tool):
+    folder = folded[0]
+    model = build_synthetic(SyntheticSpec(hidden=32, blocks=RUN_BLOCKS, seed=7), tmp_path / "run.onnx")
+    data = windows(np.load(folder / "calib.npy"), 64)
+    costs = HealedCosts(model, data[:24], data[24:], "fold")
+    whole = costs(1, 3)
+    assert whole.calib_after < 0.5 * whole.calib_before and whole.heldout_after < whole.heldout_before
+    attention = [a for a, _ in RUN_BLOCKS]
+    widths = [w for _, w in RUN_BLOCKS]
+    zeros = np.zeros((len(RUN_BLOCKS), len(RUN_BLOCKS)))
+
+    def proposed(threshold: float) -> list[tuple[int, int]]:
+        cost = lambda i, j: costs(i, j).heldout_after  # noqa: E731
+        proposal = propose(attention, widths, zeros, threshold=threshold, healed_cost=cost)
+        for g in proposal.groups:
+            assert g.healed_error == costs(*g.group).heldout_after <= threshold, g.line()
+        return [g.group for g in proposal.groups]
+
+    assert proposed(whole.heldout_after * 1.01) == [(1, 3)]
+    smaller = proposed(whole.heldout_after * 0.99)
+    assert (1, 3) not in smaller and all(costs(*g).heldout_after <= whole.heldout_after for g in smaller)
+    out = tmp_path / "analysis"
+    result = tool(
+        "analyze",
+        model,
+        "--out",
+        out,
+        "--tokens",
+        folder / "calib.npy",
+        "--window",
+        64,
+        "--heal",
+        "--heal-threshold",
+        10,
+        "--quiet",
+        check=True,
+    )
+    report = json.loads((out / "analysis.json").read_text())
+    assert report["plan"]["groups"] == [[1, 3]], result.stdout
+    assert {tuple(c["group"]) for c in report["healed_costs"]} >= {(1, 3)}
