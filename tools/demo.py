@@ -96,6 +96,14 @@ def main() -> None:
         "--max-tokens",
         1024,
     )
+    step(
+        "Heal the fused groups (blockwise local distillation, docs/heal.md): quality before and after",
+        "heal",
+        model,
+        fused,
+        "-o",
+        model.with_name("model.healed.onnx"),
+    )
     export_once(
         "Export the KV-cache decode graph (cache for attention layers only)", folder, decode, "--decode"
     )
