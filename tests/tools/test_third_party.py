@@ -23,8 +23,11 @@ from exporters.third_party import ENTRIES  # noqa: E402
 from passes.graph_inputs import Signature  # noqa: E402
 
 pytestmark = pytest.mark.slow
-IDS = np.random.default_rng(1).integers(0, 49152, size=(2, 11))
+# Batch 1: torch.onnx's opset-23 export writes RotaryEmbedding with cos/sin caches of batch 1, and ONNX
+# Runtime 1.32's kernel then refuses any other batch (a third-party limitation; dynamo-18 takes any batch).
+IDS = np.random.default_rng(1).integers(0, 49152, size=(1, 13))
 INT4 = "genai-int4"
+BATCH_1_ONLY = ("dynamo-23",)
 
 
 def modes(name: str) -> list[str]:
@@ -116,8 +119,9 @@ def test_verify(tool, fused, third_party_corpus, name):
 @pytest.mark.parametrize("name", ENTRIES)
 def test_evaluate(tool, fused, third_party_corpus, name):
     path, _ = fused(name, "last")
+    batch = "1" if name in BATCH_1_ONLY else "4"
     result = tool("evaluate", third_party_corpus[name], path, "--max-tokens", "128", "--window", "32",
-                  "--quiet", "--json", check=True)
+                  "--batch", batch, "--quiet", "--json", check=True)
     rows = {r["name"]: r for r in json.loads(result.stdout)["results"]}
     assert rows["all"]["tokens"] > 0 and 0.5 < rows["all"]["top1_agreement"] <= 1.0
     assert np.isfinite(rows["all"]["ppl_original"]) and np.isfinite(rows["all"]["ppl_fused"])
