@@ -33,7 +33,7 @@ from tqdm import tqdm
 from passes.blocks import Block, find_blocks, vocab_size
 from passes.errors import UserError
 from passes.graph_inputs import Signature
-from passes.model_io import load_model, load_proto
+from passes.model_io import load_model, load_proto, weight_bytes
 
 FLOAT_TYPES = {
     onnx.TensorProto.FLOAT,
@@ -43,6 +43,8 @@ FLOAT_TYPES = {
 }
 # The block-by-block chain must reproduce the whole model's last stream to this relative error.
 CHAIN_TOLERANCE = 1e-3
+# Above this many bytes of weights a BlockRunner streams: one block's weights in memory at a time.
+STREAMING_BYTES = 3 << 30
 
 
 def session(proto: onnx.ModelProto, folder: Path, threads: int = 0) -> ort.InferenceSession:
@@ -196,12 +198,17 @@ def _fill_stream_types(proto: onnx.ModelProto, blocks: list[Block], extra: Itera
 class BlockRunner:
     """Runs a decoder whole (capturing streams and side tensors) or block by block."""
 
-    def __init__(self, model_path: str | Path, threads: int = 0):
+    def __init__(self, model_path: str | Path, threads: int = 0, streaming: bool | None = None):
         self.path = Path(model_path)
-        self.blocks = find_blocks(load_model(self.path))
+        model = load_model(self.path)
+        self.blocks = find_blocks(model)
         self.proto = _typed_proto(self.path)
         self.cuts = cut_blocks(self.path, self.blocks, self.proto)
         self.threads = threads
+        # Streaming (models larger than RAM; default: above STREAMING_BYTES of weights): at most one block's
+        # weights are loaded at a time, and captures run block by block instead of as one whole model.
+        self.streaming = weight_bytes(model) > STREAMING_BYTES if streaming is None else streaming
+        del model
         self._sessions: dict[int, ort.InferenceSession] = {}
         self._attention: dict[int, tuple[list[str], ort.InferenceSession]] = {}
         self.side: dict[str, np.ndarray] = {}
@@ -213,9 +220,59 @@ class BlockRunner:
 
     def block_session(self, k: int) -> ort.InferenceSession:
         if k not in self._sessions:
-            self._sessions[k] = session(self.cuts[k].proto, self.path.parent, self.threads)
-            self.cuts[k].proto = onnx.ModelProto()  # the session holds the weights now
+            if self.streaming:
+                self._sessions.clear()  # release the previous block's weights before loading these
+                self._attention.clear()
+                self._sessions[k] = session(self.cuts[k].proto, self.path.parent, self.threads)
+            else:
+                self._sessions[k] = session(self.cuts[k].proto, self.path.parent, self.threads)
+                self.cuts[k].proto = onnx.ModelProto()  # the session holds the weights now
         return self._sessions[k]
+
+    def _prefix(self) -> ort.InferenceSession:
+        """The graph from its inputs to the first block's input and every block's side tensors (the
+        embedding, rotary tables, masks): what a streaming capture runs before the blocks."""
+        sides = sorted({n for c in self.cuts for n in c.side_inputs})
+        inputs = [v.name for v in self.proto.graph.input]
+        sub = onnx.utils.Extractor(self.proto).extract_model(inputs, [self.cuts[0].input_name, *sides])
+        produced = {out for node in sub.graph.node for out in node.output}
+        if any(c.output_name in produced for c in self.cuts):
+            raise UserError("a side tensor of a block depends on a later block; cannot stream this model")
+        return session(sub, self.path.parent, self.threads)
+
+    def _capture_streaming(
+        self, tokens: np.ndarray, extra: Iterable[str], only: bool
+    ) -> dict[str, np.ndarray]:
+        """capture() block by block: the prefix, then each block's subgraph, one block loaded at a time."""
+        extra = set(extra)
+        feed = input_feed(self.proto, tokens)
+        sides = sorted({n for c in self.cuts for n in c.side_inputs})
+        prefix = self._prefix()
+        values = prefix.run(None, feed)
+        del prefix
+        outputs = dict(zip([self.cuts[0].input_name, *sides], values, strict=True))
+        self.side = {n: outputs[n] for n in sides}
+        attention_inputs = {b.ffn_input.name: b.index for b in self.blocks if b.attention}
+        streams = {c.input_name for c in self.cuts} | {c.output_name for c in self.cuts}
+        unknown = extra - streams - set(attention_inputs) - set(sides)
+        if unknown:
+            raise UserError(f"a streaming capture keeps block streams only, not {sorted(unknown)[0]!r}")
+        last = len(self.cuts) - 1
+        if only:
+            needed = [k for k, c in enumerate(self.cuts) if {c.input_name, c.output_name} & extra]
+            needed += [attention_inputs[n] for n in extra & set(attention_inputs)]
+            last = max(needed, default=-1)
+        x = outputs[self.cuts[0].input_name]
+        for k in range(last + 1):
+            block = self.blocks[k]
+            if block.attention and block.ffn_input.name in extra:
+                outputs[block.ffn_input.name] = self.run_attention(k, x)
+            x = outputs[self.cuts[k].output_name] = self.run_block(k, x)
+        self._sessions.clear()
+        self._attention.clear()
+        self.logits = None
+        outputs.update(feed)
+        return outputs
 
     def capture(
         self, tokens: np.ndarray, extra: Iterable[str] = (), only: bool = False
@@ -223,7 +280,9 @@ class BlockRunner:
         """Run the whole model once; keep logits, every block's input/output, all side tensors and the
         `extra` values (e.g. the stream entering a block's FFN, after its attention). With `only`, keep
         just the side tensors and `extra` (no logits): ONNX Runtime then skips the blocks after the last
-        value asked for, and the lm_head."""
+        value asked for, and the lm_head. Streaming runners never hold the whole model: no logits."""
+        if self.streaming:
+            return self._capture_streaming(tokens, extra, only)
         proto = self.proto
         _fill_stream_types(proto, self.blocks, extra)
         types = _value_types(proto)
@@ -265,6 +324,9 @@ class BlockRunner:
             side = _Graph(self.proto).block_side_inputs(start, end)
             _fill_stream_types(self.proto, self.blocks, [end])
             sub = onnx.utils.Extractor(self.proto).extract_model([start, *side], [end])
+            if self.streaming:  # release the loaded block first
+                self._sessions.clear()
+                self._attention.clear()
             self._attention[k] = (side, session(sub, self.path.parent, self.threads))
         side, sess = self._attention[k]
         feed = {self.cuts[k].input_name: stream, **{n: self.side[n] for n in side}}
@@ -396,13 +458,22 @@ def analyze(
         for k in range(n)
     ]
     dependency = np.full((n, n), np.nan)
-    for i in rows:
-        x = inputs[i]  # block i skipped: block i+1 reads block i's input
-        for j in range(i + 1, n):
-            y = runner.run_block(j, x)
-            dependency[i, j] = cosine_distance(deltas[j], y - x)
-            x = y
-            bar.update()
+    if runner.streaming:  # column by column, so that each block's weights are loaded once
+        streams = {i: inputs[i] for i in rows}  # block i skipped: block i+1 reads block i's input
+        for j in range(n):
+            for i in (r for r in rows if r < j):
+                y = runner.run_block(j, streams[i])
+                dependency[i, j] = cosine_distance(deltas[j], y - streams[i])
+                streams[i] = y
+                bar.update()
+    else:
+        for i in rows:
+            x = inputs[i]  # block i skipped: block i+1 reads block i's input
+            for j in range(i + 1, n):
+                y = runner.run_block(j, x)
+                dependency[i, j] = cosine_distance(deltas[j], y - x)
+                x = y
+                bar.update()
     bar.close()
     return Analysis(stats, dependency, int(tokens.size), time.perf_counter() - start, total, chain_error)
 

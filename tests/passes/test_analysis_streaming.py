@@ -1,0 +1,65 @@
+"""Streaming BlockRunner (models larger than RAM, issue 13): captures run block by block and at most one
+block's weights are loaded at a time; results equal the whole-model runner's."""
+
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+import pytest
+
+from exporters.synthetic import SyntheticSpec, build_synthetic
+from passes import analysis
+from passes.analysis import BlockRunner, analyze
+
+BLOCKS = [(True, 48), (True, 64), (False, 40), (False, 56), (True, 32), (False, 24)]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("streaming")
+    return build_synthetic(SyntheticSpec(hidden=32, blocks=BLOCKS, seed=4), folder / "m.onnx", external=True)
+
+
+class _LiveSessions:
+    """Counts the ONNX Runtime sessions alive at once (analysis.session wrapped)."""
+
+    def __init__(self, monkeypatch):
+        self.live = self.peak = 0
+        original = analysis.session
+
+        def counted(*args, **kwargs):
+            sess = original(*args, **kwargs)
+            self.live += 1
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(sess, self._closed)
+            return sess
+
+        monkeypatch.setattr(analysis, "session", counted)
+
+    def _closed(self) -> None:
+        self.live -= 1
+
+
+def test_streaming_analysis_equals_whole_model(model, monkeypatch):
+    tokens = np.random.default_rng(0).integers(0, 64, (2, 16))
+    whole = analyze(model, tokens, progress=False, runner=BlockRunner(model, streaming=False))
+    sessions = _LiveSessions(monkeypatch)
+    runner = BlockRunner(model, streaming=True)
+    streamed = analyze(model, tokens, progress=False, runner=runner)
+    assert sessions.peak == 1  # one block (or the prefix) at a time, never the whole model
+    np.testing.assert_allclose(streamed.dependency, whole.dependency, rtol=1e-5, atol=1e-7)
+    assert runner.logits is None and streamed.chain_rel_error < 1e-6
+
+
+def test_streaming_capture_keeps_what_is_asked(model, monkeypatch):
+    tokens = np.random.default_rng(1).integers(0, 64, (3, 8))
+    plain, streamed = BlockRunner(model, streaming=False), BlockRunner(model, streaming=True)
+    names = [b.ffn_input.name for b in plain.blocks[:4]] + [plain.blocks[3].residual.output.name]
+    expected = plain.capture(tokens, extra=names, only=True)
+    sessions = _LiveSessions(monkeypatch)
+    got = streamed.capture(tokens, extra=names, only=True)
+    assert sessions.peak == 1
+    for name in names:
+        np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=1e-6)
+    assert streamed.blocks[1].attention and names[1] != streamed.cuts[1].input_name  # after attention
