@@ -21,6 +21,7 @@ import onnx
 import onnxruntime as ort
 
 from passes.errors import UserError
+from passes.graph_inputs import Signature
 from passes.shard import COLLECTIVE_OP, rank_onnx_files, read_manifest
 
 __all__ = [
@@ -270,9 +271,12 @@ class RankProgram:
 
 
 def _feeds(program: RankProgram, tokens: np.ndarray) -> dict[str, np.ndarray]:
-    if len(program.inputs) != 1:
-        raise UserError(f"{program.path}: expected one input (input_ids), found {program.inputs}")
-    return {program.inputs[0]: np.ascontiguousarray(tokens, dtype=np.int64)}
+    """input_ids alone, or every input a third-party graph has (attention mask of ones, positions, an
+    empty KV cache with this rank's KV heads: passes.graph_inputs reads the rank graph's declared shapes)."""
+    if len(program.inputs) == 1:
+        return {program.inputs[0]: np.ascontiguousarray(tokens, dtype=np.int64)}
+    feeds = Signature.of(program.path).feeds(tokens)
+    return {name: feeds[name] for name in program.inputs}
 
 
 def _combine(collective: Collective, parts: Sequence[np.ndarray]) -> np.ndarray:
