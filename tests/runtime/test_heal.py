@@ -219,3 +219,19 @@ def test_healed_costs_drive_the_proposal(folded, tmp_path, tool):
     report = json.loads((out / "analysis.json").read_text())
     assert report["plan"]["groups"] == [[1, 3]], result.stdout
     assert {tuple(c["group"]) for c in report["healed_costs"]} >= {(1, 3)}
+
+
+def test_streaming_runner_heals_the_same(folded, monkeypatch):
+    """Models above passes.analysis.STREAMING_BYTES run block by block (issue 13): same streams, same fit."""
+    from passes import analysis
+
+    folder, original, fused, _ = folded
+    calib = windows(np.load(folder / "calib.npy"), 64)[:8]
+    held = windows(np.load(folder / "held.npy"), 64)
+    config = HealConfig(steps=0)
+    plain = heal(original, fused, calib, held, None, config)
+    monkeypatch.setattr(analysis, "STREAMING_BYTES", 0)
+    streamed = heal(original, fused, calib, held, None, config)
+    for a, b in zip(plain.groups, streamed.groups, strict=True):
+        assert b.heldout_after == pytest.approx(a.heldout_after, rel=1e-4)
+        assert b.calib_before == pytest.approx(a.calib_before, rel=1e-5)
