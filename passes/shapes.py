@@ -294,6 +294,7 @@ SAME_SHAPE = {
     "LayerNormalization",
     "RMSNormalization",
     "SimplifiedLayerNormalization",
+    "RotaryEmbedding",
 }
 REDUCE = {"ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL2", "ReduceSumSquare"}
 
@@ -359,7 +360,7 @@ def _elementwise_value(op: str, a: Dims | None, b: Dims | None) -> Dims | None:
 
 def infer_node(node: ir.Node, ins: Sequence[Info]) -> list[Info] | None:
     """Output infos of `node` from its input infos, or None for an op the interpreter does not know."""
-    op = node.op_type if node.domain in ("", "ai.onnx") else None
+    op = node.op_type if node.domain in ("", "ai.onnx") or node.op_type == "RotaryEmbedding" else None
     x = ins[0] if ins else UNKNOWN
     if op == "Shape":
         if x.shape is None:

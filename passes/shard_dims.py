@@ -148,6 +148,8 @@ class RankWorld:
         ins = [self.get(v) for v in node.inputs]
         if op in ATTENTION_OPS:
             return self._fused_attention(node, ins)
+        if op == "RotaryEmbedding" and "num_heads" in node.attributes:
+            self._rotary_heads(node, ins)
         if op == "Split" and self.heads(node) is not None and self._splits_changed_axis(node, ins):
             return self._split_packed(node, ins)
         self._check_axes(node, ins)
@@ -196,6 +198,17 @@ class RankWorld:
             if full is not None and len(full) == 4:
                 outs[k] = Info((full[0], Dim(kv_r), full[2], full[3]))
         return outs
+
+    def _rotary_heads(self, node: ir.Node, ins: Sequence[Info]) -> None:
+        """RotaryEmbedding on [b, s, heads * hd] names its heads: the rank's."""
+        full, rank = self.full.get(node.inputs[0]).shape, ins[0].shape
+        heads = int(node_attr(node, "num_heads", 0))
+        if full is None or rank is None or len(full) != 3 or heads <= 0 or full[-1] == rank[-1]:
+            return
+        if full[-1] is None or rank[-1] is None or not (full[-1].is_int and rank[-1].is_int):
+            raise self._fail(node, "rotates a sharded tensor of unknown width")
+        head_dim = int(full[-1]) // heads
+        self.attr_rewrites.append((node, "num_heads", int(rank[-1]) // head_dim))
 
     def _splits_changed_axis(self, node: ir.Node, ins: Sequence[Info]) -> bool:
         rank = len(ins[0].shape) if ins and ins[0].shape is not None else None

@@ -64,7 +64,7 @@ def _torchrun(tp: int, dirs: list[Path], outs: list[Path], ids: Path) -> subproc
 
 
 @pytest.mark.parametrize("tp", sorted(LAUNCHES))
-def test_corpus_shards_over_gloo(third_party_corpus: dict[str, Path], tmp_path: Path, tp: int) -> None:
+def test_corpus_shards_over_gloo(third_party_corpus: dict[str, Path], tmp_path: Path, tp: int) -> None:  # noqa: F811
     names = LAUNCHES[tp]
     sources = [third_party_corpus[name] for name in names]
     dirs = [tmp_path / name for name in names]
@@ -77,13 +77,13 @@ def test_corpus_shards_over_gloo(third_party_corpus: dict[str, Path], tmp_path: 
     outs = [d.with_suffix(".npy") for d in dirs]
     run = _torchrun(tp, dirs, outs, tmp_path / "ids.npy")
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    for name, directory in zip(names, dirs, strict=True):
+    for directory in dirs:
         shutil.rmtree(directory)  # up to ~1.3 GB per graph
     for name, model, out in zip(names, sources, outs, strict=True):
         error = relative_error(np.load(out), single_device(model))
         assert error <= TOLERANCE, f"{name} tp={tp}: relative error {error:.2e}"
 
 
-def test_genai_int4_is_refused(third_party_corpus: dict[str, Path], tmp_path: Path) -> None:
+def test_genai_int4_is_refused(third_party_corpus: dict[str, Path], tmp_path: Path) -> None:  # noqa: F811
     with pytest.raises(UserError, match="MatMulNBits .* cannot be tensor-parallel sharded yet"):
         shard_file(third_party_corpus["genai-int4"], 2, tmp_path / "int4", progress=False)
