@@ -16,7 +16,8 @@ How (see docs/export.md, "Hugging Face checkpoints"):
 4. Each weight initializer becomes an external-data reference into `<model>.data`, written tensor by tensor
    straight from the memory-mapped shards: a kernel copy (copy_file_range) when the dtype is kept, and
    row chunks through safetensors' get_slice when it is converted. Peak memory stays at the graph plus
-   one chunk.
+   one chunk. The names and places of the weights are known from step 1, so the data file is written in
+   a second thread while steps 2-3 build the graph.
 
 Everything is written into a staging folder beside the output and moved into place at the end, so a
 failed export leaves nothing behind.
@@ -27,11 +28,14 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import shutil
 import struct
+import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -250,7 +254,7 @@ class HfExportResult:
     side_files: list[Path] = field(default_factory=list)
     layer_kinds: list[str] = field(default_factory=list)
     trace_seconds: float = 0.0  # building the graph (torch.onnx.export and its optimizer)
-    write_seconds: float = 0.0  # streaming the weights into the data file
+    write_seconds: float = 0.0  # streaming the weights into the data file (at the same time)
     cache_layers: list[int] = field(default_factory=list)  # decode graphs: the layers with a KV cache
 
 
@@ -296,14 +300,21 @@ def export_hf(
     else:
         traceable = hf_model.prefill_traceable(config, hf_model.TORCH_DTYPES[dtype])
     _check_model_against_plan(traceable.model, sources)
-    traced = time.perf_counter()
-    onnx_model = trace(traceable, opset)
-    onnx_model.metadata_props[METADATA_KEY] = json.dumps(describe(config, folder, dtype))
-    onnx_model.metadata_props.update(traceable.metadata)
-    written = time.perf_counter()
-    with staged_output(output) as staging:
+    ir_dtype = _IR_DTYPES[dtype]
+    placements = plan_layout(sources, int(ir_dtype.itemsize))
+    with staged_output(output) as staging, ThreadPoolExecutor(max_workers=1) as pool:
         staged = staging / output.name
-        write_weights(onnx_model, sources, staged, _IR_DTYPES[dtype])
+        # The weights are copied while the graph is built: their names and places do not depend on it.
+        writing = pool.submit(
+            write_data, staged.with_name(f"{staged.name}.data"), sources, placements, ir_dtype
+        )
+        traced = time.perf_counter()
+        onnx_model = trace(traceable, opset)
+        trace_seconds = time.perf_counter() - traced
+        onnx_model.metadata_props[METADATA_KEY] = json.dumps(describe(config, folder, dtype))
+        onnx_model.metadata_props.update(traceable.metadata)
+        attach_weights(onnx_model, placements, staged, ir_dtype)
+        write_seconds = writing.result()
         ir.save(onnx_model, staged)
         side = [staging / n for n in SIDE_FILES if (folder / n).is_file()]
         for path in side:
@@ -311,7 +322,6 @@ def export_hf(
         for path in side:
             os.replace(path, output.parent / path.name)
         commit_output(staged, output)
-    done = time.perf_counter()
     files = [output, output.with_name(f"{output.name}.data")]
     return HfExportResult(
         path=output,
@@ -325,8 +335,8 @@ def export_hf(
         dtype=dtype,
         side_files=[output.parent / p.name for p in side],
         layer_kinds=layer_kinds(config),
-        trace_seconds=written - traced,
-        write_seconds=done - written,
+        trace_seconds=trace_seconds,
+        write_seconds=write_seconds,
         cache_layers=[i for i, a in enumerate(spec.attention_flags) if a] if spec is not None else [],
     )
 
@@ -405,35 +415,82 @@ def describe(config: HfConfig, folder: Path, dtype: str) -> dict:
     }
 
 
-def write_weights(model: ir.Model, sources: dict[str, WeightSource], path: Path, dtype: ir.DataType) -> int:
-    """Write every weight initializer into `<path>.data` and point the initializer at it; returns bytes."""
-    data_name = f"{path.name}.data"
-    data_path = path.with_name(data_name)
+@dataclass(frozen=True)
+class Placement:
+    """Where a weight lies in the data file."""
+
+    offset: int
+    length: int
+
+
+def plan_layout(sources: dict[str, WeightSource], itemsize: int) -> dict[str, Placement]:
+    """Page-aligned offsets for every weight, in checkpoint file order (sequential reads); a tied lm_head
+    shares the embedding's place."""
+    placements: dict[str, Placement] = {}
+    by_tensor: dict[tuple[Path, str], Placement] = {}
     offset = 0
+    for name, source in sorted(sources.items(), key=lambda kv: (str(kv[1].entry.file), kv[1].entry.start)):
+        key = (source.entry.file, source.entry.name)
+        if key not in by_tensor:
+            offset = -(-offset // ALIGNMENT) * ALIGNMENT
+            by_tensor[key] = Placement(offset, math.prod(source.shape) * itemsize)
+            offset += by_tensor[key].length
+        placements[name] = by_tensor[key]
+    return placements
+
+
+def write_data(
+    data_path: Path,
+    sources: dict[str, WeightSource],
+    placements: dict[str, Placement],
+    dtype: ir.DataType,
+    stop: threading.Event | None = None,
+) -> float:
+    """Write every weight at its place, tensor by tensor from the shards; returns the seconds it took.
+
+    Returns early (the file incomplete) once `stop` is set: the export failed elsewhere."""
+    start = time.perf_counter()
+    done: set[Placement] = set()
+    end = max((p.offset + p.length for p in placements.values()), default=0)
     fd = os.open(data_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        for name, value in model.graph.initializers.items():
-            if value.const_value is not None:
-                continue  # a computed constant, stored inline
-            source = sources.get(name)
-            if source is None:
-                raise RuntimeError(f"initializer {name!r} has neither a value nor a checkpoint tensor")
-            offset = -(-offset // ALIGNMENT) * ALIGNMENT
-            length = _write_tensor(fd, offset, source.entry, dtype)
-            value.const_value = ir.ExternalTensor(
-                data_name,
-                offset,
-                length,
-                dtype,
-                shape=ir.Shape(source.shape),
-                name=name,
-                base_dir=path.parent,
-            )
-            offset += length
-        os.ftruncate(fd, offset)
+        for name, placement in sorted(placements.items(), key=lambda kv: kv[1].offset):
+            if placement in done:
+                continue
+            if stop is not None and stop.is_set():
+                return time.perf_counter() - start
+            written = _write_tensor(fd, placement.offset, sources[name].entry, dtype)
+            if written != placement.length:
+                raise RuntimeError(
+                    f"internal error: {name} wrote {written} bytes, expected {placement.length}"
+                )
+            done.add(placement)
+        os.ftruncate(fd, end)
+    except OSError as exc:
+        raise UserError(f"cannot write {data_path}: {exc.strerror or exc}") from None
     finally:
         os.close(fd)
-    return offset
+    return time.perf_counter() - start
+
+
+def attach_weights(model: ir.Model, placements: dict[str, Placement], path: Path, dtype: ir.DataType) -> None:
+    """Point every value-less initializer (a weight) at its place in `<path>.data`."""
+    data_name = f"{path.name}.data"
+    for name, value in model.graph.initializers.items():
+        if value.const_value is not None:
+            continue  # a computed constant, stored inline
+        placement = placements.get(name)
+        if placement is None:
+            raise RuntimeError(f"initializer {name!r} has neither a value nor a checkpoint tensor")
+        value.const_value = ir.ExternalTensor(
+            data_name,
+            placement.offset,
+            placement.length,
+            dtype,
+            shape=ir.Shape(value.shape),
+            name=name,
+            base_dir=path.parent,
+        )
 
 
 def _write_tensor(fd: int, offset: int, entry: TensorEntry, dtype: ir.DataType) -> int:
