@@ -26,6 +26,7 @@ examples:
   analyze.py model.onnx --out analysis/                     default calibration text, 128 tokens
   analyze.py model.onnx --out analysis/ --tokens ids.npy    your own token ids (any integer .npy)
   analyze.py model.onnx --out analysis/ --max-group 4 --threshold 0.15
+  analyze.py model.onnx --out analysis/ --heal              bound each group's healed error (docs/heal.md)
   fuse_onnx.py model.onnx analysis/plan.json                then fuse with the proposed plan
 
 calibration text: --text FILE..., else /usr/share/common-licenses/Apache-2.0 when the model's tokenizer
