@@ -66,6 +66,18 @@ class ShardReport:
                 f"FFN widths padded with zeros to a multiple of {self.tp}: {shown}"
                 + (" ..." if len(padded) > 6 else "")
             )
+        padded_heads = sorted(
+            {
+                (b.heads, b.kv_heads, b.heads_per_rank)
+                for b in self.branches
+                if b.kind == "attention" and b.heads_per_rank * self.tp != b.heads
+            }
+        )
+        for heads, kv, per_rank in padded_heads:
+            out.append(
+                f"attention heads padded with zero heads: {heads} heads / {kv} KV heads -> "
+                f"{per_rank} per rank x {self.tp} = {per_rank * self.tp}"
+            )
         cached = [b for b in self.branches if b.cache_inputs]
         if cached:
             per_rank = sorted({b.kv_heads_per_rank for b in cached})

@@ -317,10 +317,7 @@ def _match_decomposed(o_proj: ir.Node, body: set[ir.Node], nodes: set[ir.Node]) 
         raise NoMatch("no Reshape splitting the q projection into [.., heads, head_dim] found")
     heads, head_dim = found
     caches = tuple(_decomposed_caches(body, nodes, scores, context))
-    between = _between(scores.outputs[0], softmax, body)
-    mask = "where" if any(n.op_type == "Where" for n in between) else "none"
-    if mask == "none" and any(n.op_type == "Add" and _has_outside_input(n, body) for n in between):
-        mask = "additive"
+    mask = _mask_form(scores, softmax, body)
     guard = any(u.node.op_type == "IsNaN" for u in softmax.outputs[0].uses())
     return _record(
         "decomposed", q, k, v, o_proj, heads, head_dim, mask, _rotary(body), caches, softmax, guard, nodes
@@ -443,8 +440,19 @@ def _between(start: ir.Value, end: ir.Node, body: set[ir.Node]) -> list[ir.Node]
     return found
 
 
-def _has_outside_input(node: ir.Node, body: set[ir.Node]) -> bool:
-    return any(v is not None and v.producer() not in body and constant(v) is None for v in node.inputs)
+def _mask_form(scores: ir.Node, softmax: ir.Node, body: set[ir.Node]) -> str:
+    """ "where": the scores pass through a Where (masked_fill); "additive": an Add of a tensor that is not
+    computed from the scores (the mask itself may be built with Where, as Optimum does); else "none"."""
+    from_scores = _forward(scores.outputs[0], body)
+    between = _between(scores.outputs[0], softmax, body)
+    if any(n.op_type == "Where" and any(v in from_scores for v in n.inputs[1:]) for n in between):
+        return "where"
+    for node in between:
+        if node.op_type == "Add" and any(
+            v is not None and v not in from_scores and constant(v) is None for v in node.inputs
+        ):
+            return "additive"
+    return "none"
 
 
 def _rotary(body: set[ir.Node]) -> str:

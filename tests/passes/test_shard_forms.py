@@ -139,6 +139,9 @@ def test_forms_shard_exactly_at_any_tp(form, tmp_path: Path, name: str) -> None:
     for tp in (2, 4, 8):
         report = shard_file(model, tp, tmp_path / f"tp{tp}", progress=False)
         assert report.allreduces_per_forward == 5
+        plan = HeadPlan(9, 3, tp)
+        line = f"9 heads / 3 KV heads -> {plan.heads_per_rank} per rank x {tp} = {plan.heads_per_rank * tp}"
+        assert any(line in x for x in report.lines())
         assert {b.heads_per_rank for b in report.branches if b.kind == "attention"} == {
             HeadPlan(9, 3, tp).heads_per_rank
         }
