@@ -458,10 +458,11 @@ def _heal_groups(pair, calib, heldout, config, result, staging, log) -> dict:
     streams = _Streams(runner, pair, calib, heldout)
     blocks = pair.original_blocks
     tolerance = max(1e-4, 10 * exactness_tolerance(blocks))
-    current = {id(c): c.streams[blocks[pair.plan.groups[0][0]].block_input.name] for c in streams.chunks}
-    position = pair.plan.groups[0][0]  # the block whose input `current` is (healed model)
+    groups = sorted(pair.plan.groups)  # along the stream: the healed chain runs from group to group
+    current = {id(c): c.streams[blocks[groups[0][0]].block_input.name] for c in streams.chunks}
+    position = groups[0][0]  # the block whose input `current` is (healed model)
     saved = {}
-    for first, last in pair.plan.groups:
+    for first, last in groups:
         group_start = time.perf_counter()
         xs, ys = {}, {}
         for chunk in streams.chunks:
