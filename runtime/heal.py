@@ -158,7 +158,7 @@ def load_pair(original: str | Path, fused: str | Path) -> HealPair:
     fused_blocks = find_blocks(load_model(fused))
     expected = len(original_blocks) - plan.removed_ffns
     mismatch = f"{original} does not match the fused model {fused}"
-    if len(fused_blocks) != expected or plan.groups[-1][1] >= len(original_blocks):
+    if len(fused_blocks) != expected or max(j for _, j in plan.groups) >= len(original_blocks):
         raise UserError(
             f"{mismatch}: {len(original_blocks)} blocks, the plan {plan.to_json()} needs "
             f"{len(fused_blocks)} + {plan.removed_ffns}; pass the model that was fused"
