@@ -481,6 +481,9 @@ def infer_node(node: ir.Node, ins: Sequence[Info]) -> list[Info] | None:
                 )
             )
         ]
+    if node.op_type == "MatMulNBits" and node.domain == "com.microsoft":  # y = x @ W[K, N]
+        n = int(node_attr(node, "N", 0))
+        return [Info(x.shape[:-1] + (Dim(n),) if x.shape is not None and n > 0 else None)]
     if node.op_type in ATTENTION_OPS and node.domain in ("", "ai.onnx", "com.microsoft"):
         return attention_op(node, ins)
     return None

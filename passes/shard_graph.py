@@ -39,6 +39,7 @@ class WeightRef:
     source: ir.Value  # the initializer (or Constant output)
     chain: list[ir.Node]  # from the source to `value`, in data order
     transposed: bool = False  # Gemm transB=1: the weight input is [out, in]
+    nbits: bool = False  # MatMulNBits: the source is [N, K / block_size, blob] with scales per block
 
     @property
     def tensor(self) -> ir.TensorProtocol:
@@ -46,6 +47,8 @@ class WeightRef:
 
     def matrix_shape(self) -> tuple[int, int]:
         """(in, out) of the weight as the layer multiplies by it."""
+        if self.nbits:
+            return _int_attr(self.node, "K", 0), _int_attr(self.node, "N", 0)
         dims = [int(d) for d in self.value.shape] if self.value.shape is not None else None
         if dims is None or len(dims) != 2:
             dims = list(_shape_through_chain(self))
@@ -90,7 +93,14 @@ def constant_tensor(value: ir.Value | None) -> ir.TensorProtocol | None:
 
 
 def weight_ref(node: ir.Node) -> WeightRef | None:
-    """The constant 2-D weight of a MatMul/Gemm, or None when its weight input is computed."""
+    """The constant 2-D weight of a MatMul/Gemm (or the block-quantized weight of a MatMulNBits), or None
+    when its weight input is computed."""
+    if node.op_type == "MatMulNBits" and node.domain == "com.microsoft":
+        weight = node.inputs[1] if len(node.inputs) > 1 else None
+        tensor = constant_tensor(weight)
+        if weight is None or tensor is None or len(tensor.shape) != 3:
+            return None
+        return WeightRef(node, weight, weight, [], nbits=True)
     if node.op_type not in LINEAR_OPS or len(node.inputs) < 2 or node.inputs[1] is None:
         return None
     transposed = False
@@ -225,15 +235,21 @@ def find_structure(model: ir.Model, world: World | None = None) -> TpStructure:
 
 
 def _refuse_block_quantized(graph: ir.Graph) -> None:
-    """MatMulNBits (ONNX Runtime GenAI int4): slicing along N would be exact, but the row-parallel
-    projections split K, which must fall on quantization-block boundaries, and the zero points are
-    packed two blocks per byte; not done yet."""
-    found = next((n for n in graph if n.op_type == "MatMulNBits"), None)
-    if found is not None:
-        raise UserError(
-            f"MatMulNBits {found.name!r}: block-quantized (int4) weights cannot be tensor-parallel "
-            "sharded yet; shard the fp32/fp16 export (e.g. the GenAI builder with -p fp32) instead"
-        )
+    """MatMulNBits (ONNX Runtime GenAI int4) shards by whole quantization blocks (passes.shard_rewrite);
+    explicit zero points (packed two blocks per byte) and g_idx are not handled."""
+    for node in graph:
+        if node.op_type != "MatMulNBits":
+            continue
+        extra = [
+            name
+            for slot, name in ((3, "zero points"), (4, "g_idx"))
+            if len(node.inputs) > slot and node.inputs[slot] is not None
+        ]
+        if extra:
+            raise UserError(
+                f"MatMulNBits {node.name!r}: block-quantized weights with {extra[0]} cannot be "
+                "tensor-parallel sharded yet; quantize without zero points, or shard the fp32 export"
+            )
 
 
 def _linear_end(value: ir.Value | None) -> ir.Node | None:

@@ -90,7 +90,14 @@ def _rank_world(
             raise UserError(
                 f"weight {s.ref.source.name!r} feeds several layers through one value; cannot shard"
             )
-        seeds[s.ref.value] = Info(tuple(Dim(d) for d in sliced_shape(s)))
+        if not s.ref.nbits:
+            seeds[s.ref.value] = Info(tuple(Dim(d) for d in sliced_shape(s)))
+        elif s.axis == 1:  # MatMulNBits: its N attribute is rewritten later; the output is the rank's
+            out = s.ref.node.outputs[0]
+            full = world.get(out).shape
+            if full is None:
+                raise UserError(f"MatMulNBits {s.ref.node.name!r}: output shape unknown; cannot shard it")
+            seeds[out] = Info((*full[:-1], Dim(s.size)))
     owner = structure.branch_of()
 
     maps = {}
@@ -135,6 +142,9 @@ class _Rewriter:
 
     def slice_weight(self, s: WeightSlice) -> None:
         ref = s.ref
+        if ref.nbits:
+            self._slice_nbits(s)
+            return
         axis = ref.source_axis(s.axis)
         tensor = ref.tensor
         shape = list(int(d) for d in tensor.shape)
@@ -166,6 +176,38 @@ class _Rewriter:
         for node in ref.chain:
             for out in node.outputs:
                 out.shape = None
+
+    def _slice_nbits(self, s: WeightSlice) -> None:
+        """MatMulNBits: B [N, K blocks, blob] and its per-block scales are gathered by rows (N, column
+        parallel) or by whole quantization blocks (K, row parallel); a padded row or block gets zero
+        scales, so it dequantizes to zeros. The K and N attributes follow."""
+        node = s.ref.node
+        block = int(node.attributes["block_size"].value)
+        if s.axis == 1:
+            rows, axis, attr = s.indices, 0, "N"
+        else:
+            rows, axis, attr = _whole_blocks(s.indices, block, node), 1, "K"
+        weight, scales = node.inputs[1], node.inputs[2]
+        assert weight is not None and scales is not None
+        tensor = constant_tensor(weight)
+        shape = [int(d) for d in tensor.shape]
+        shape[axis] = len(rows)
+        lazy = ir.LazyTensor(
+            _slicer(tensor, axis, tuple(rows), 0), dtype=tensor.dtype, shape=ir.Shape(shape), name=weight.name
+        )
+        node.replace_input_with(1, self._initializer(f"{weight.name}.tp{self.tp}_rank{self.rank}", lazy))
+        scale_tensor = constant_tensor(scales)
+        n, k_blocks = int(tensor.shape[0]), int(tensor.shape[1])
+        table = scale_tensor.numpy().reshape(n, k_blocks)
+        picked = _slicer(ir.Tensor(table), axis, tuple(rows), 0)().numpy()
+        picked = picked.reshape(-1) if len(scale_tensor.shape) == 1 else picked
+        name = f"{scales.name}.tp{self.tp}_rank{self.rank}"
+        node.replace_input_with(2, self._initializer(name, ir.Tensor(picked, name=name)))
+        node.attributes[attr] = ir.AttrInt64(attr, len(s.indices))
+        bias = node.inputs[5] if len(node.inputs) > 5 else None
+        if s.axis == 1 and bias is not None:
+            sliced = _slicer(constant_tensor(bias), 0, s.indices, 0)()
+            node.replace_input_with(5, self._initializer(f"{bias.name}.tp{self.tp}_rank{self.rank}", sliced))
 
     def slice_bias(self, s: WeightSlice) -> None:
         """A column-parallel layer's bias (a constant [.., out] added right after it) gets its columns."""
@@ -312,6 +354,28 @@ class _Rewriter:
             tensor = ir.tensor(np.array(ints, dtype=np.int64), name=name)
             self.shape_consts[key] = self._initializer(name, tensor)
         return self.shape_consts[key]
+
+
+def _whole_blocks(indices: tuple[int, ...], block: int, node: ir.Node) -> list[int]:
+    """The source quantization blocks of a K split that falls on block boundaries (PAD: a zero block)."""
+    if len(indices) % block:
+        raise UserError(
+            f"MatMulNBits {node.name!r}: a rank's {len(indices)} input rows are not whole blocks of {block}; "
+            "use a tp that splits the heads/FFN width into whole quantization blocks"
+        )
+    out = []
+    for start in range(0, len(indices), block):
+        part = indices[start : start + block]
+        if all(i == PAD for i in part):
+            out.append(PAD)
+        elif part[0] % block == 0 and list(part) == list(range(part[0], part[0] + block)):
+            out.append(part[0] // block)
+        else:
+            raise UserError(
+                f"MatMulNBits {node.name!r}: a rank's input rows {part[0]}..{part[-1]} cross a "
+                f"quantization block of {block}; use a tp that splits on block boundaries"
+            )
+    return out
 
 
 def _is_static(value: ir.Value | None, depth: int = 0) -> bool:

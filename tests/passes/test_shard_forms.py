@@ -189,15 +189,21 @@ def test_branch_reading_a_graph_input_is_one_line_error(form, tmp_path: Path) ->
     assert "not a KV cache" in _cli_error(path, tmp_path / "b")
 
 
-def test_matmulnbits_is_refused_with_one_line(form, tmp_path: Path) -> None:
-    """GenAI-style int4 weights (ONNX Runtime's own MatMulNBits quantizer) are refused, not mis-sharded."""
+@pytest.mark.parametrize(
+    ("symmetric", "why"), [(False, "with zero points"), (True, "are not whole blocks of 32")]
+)
+def test_matmulnbits_misfits_are_one_line(form, tmp_path: Path, symmetric: bool, why: str) -> None:
+    """int4 weights from ONNX Runtime's own MatMulNBits quantizer: zero points are refused, and so is a
+    K split (o_proj: 6 heads of 8 rows at tp=2) that does not fall on 32-row quantization blocks."""
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-    quantizer = MatMulNBitsQuantizer(str(form("dynamo_repeat")), bits=4, block_size=32)
+    quantizer = MatMulNBitsQuantizer(
+        str(form("dynamo_repeat")), bits=4, block_size=32, is_symmetric=symmetric
+    )
     quantizer.process()
     path = tmp_path / "int4.onnx"
     quantizer.model.save_model_to_file(str(path))
     assert "MatMulNBits" in {n.op_type for n in ir.load(path).graph}
-    with pytest.raises(UserError, match="MatMulNBits .* cannot be tensor-parallel sharded yet"):
+    with pytest.raises(UserError, match=f"MatMulNBits .* {why}"):
         shard_file(path, 2, tmp_path / "a", progress=False)
     assert "MatMulNBits" in _cli_error(path, tmp_path / "b")
