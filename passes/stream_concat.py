@@ -78,10 +78,8 @@ class Part:
             out[...] = self.transform(block) if self.transform is not None else block
         if self.scale is not None:
             scale = self.scale[start:stop, None] if self.scale_axis == 0 else self.scale[None, :]
-            if out.dtype == np.float32:
-                np.multiply(out, scale, out=out)
-            else:  # half precision: scaled in float32, rounded once
-                out[...] = (out.astype(np.float32) * scale).astype(out.dtype)
+            # In float32, rounded once to the weight's dtype: one buffered pass, no float32 copy of the chunk.
+            np.multiply(out, scale, out=out, dtype=np.float32, casting="unsafe")
 
     @property
     def _direct(self) -> bool:

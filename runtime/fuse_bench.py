@@ -4,10 +4,12 @@ For each shape it builds an FFN-only synthetic model with external data, then me
 step in a fresh child process (runtime.peak_memory: wall time and the child's own peak RSS):
 
 - copying the model's files (the I/O floor the fusion is held to: at most 1.2x its time);
-- tools/fuse_onnx.py without validation (bound: 256 MB peak RSS, whatever the group size);
-- tools/fuse_onnx.py with validation (bound: 512 MB);
+- tools/fuse_onnx.py without validation, "fold" and "last" (bound: 256 MB peak RSS, whatever the group
+  size; the time is the tool's own, from loading to the written output, without Python's imports);
+- tools/fuse_onnx.py with validation, "fold" (bound: 512 MB);
 - optionally FP8 quantization (scales given: calibration is an ONNX Runtime run of the whole model) and
-  tensor-parallel sharding at TP 8 of the unfused model (bound: 512 MB).
+  tensor-parallel sharding at TP 8 of the unfused model (bound: 512 MB);
+- optionally an FP8 TensorRT-RTX engine build (reported, no bound).
 
 Outputs are deleted after each step, so the disk holds about three copies of the model at most.
 """
@@ -94,7 +96,9 @@ def _remove(*paths: Path) -> None:
                 file.unlink(missing_ok=True)
 
 
-def bench_shape(name: str, spec: tuple, work: Path, stages: bool, log=print) -> ShapeResult:
+def bench_shape(
+    name: str, spec: tuple, work: Path, stages: bool, log=print, engine: bool = False
+) -> ShapeResult:
     hidden, ffn, blocks, group, dtype = spec
     folder = work / name
     folder.mkdir(parents=True)
@@ -102,9 +106,10 @@ def bench_shape(name: str, spec: tuple, work: Path, stages: bool, log=print) -> 
     log(f"{name}: building {blocks} FFNs of {hidden} x {ffn} ({dtype}, external data) ...")
     build = [sys.executable, "-c", BUILD, *map(str, (hidden, ffn, blocks, dtype, model))]
     subprocess.run(build, check=True, cwd=ROOT)
-    plan = folder / "plan.json"
     groups = [[i, min(i + group, blocks) - 1] for i in range(0, blocks, group)]
-    plan.write_text(json.dumps({"groups": [g for g in groups if g[1] > g[0]], "norm": "fold"}))
+    plans = {mode: folder / f"plan_{mode}.json" for mode in ("fold", "last")}
+    for mode, plan in plans.items():
+        plan.write_text(json.dumps({"groups": [g for g in groups if g[1] > g[0]], "norm": mode}))
     itemsize = 4 if dtype == "float32" else 2
     result = ShapeResult(name, _size(model), 3 * hidden * ffn * itemsize * group)
     log(f"{name}: copying the files ...")
@@ -112,9 +117,11 @@ def bench_shape(name: str, spec: tuple, work: Path, stages: bool, log=print) -> 
     _remove(folder / "copy")
     result.steps.append(Step("copy", copy.seconds, copy.peak_bytes, 1.0))
     fuse = ROOT / "tools" / "fuse_onnx.py"
-    runs = [
-        ("fuse", [model, plan, "--no-validate", "-o", folder / "f.onnx"], FUSE_RSS_BOUND, TIME_BOUND),
-        ("fuse + validation", [model, plan, "-o", folder / "f.onnx"], VALIDATE_RSS_BOUND, None),
+    out = ["-o", folder / "f.onnx"]
+    runs = [  # "fold" rescales (and in half precision converts) every gate/up row; "last" only copies
+        ("fuse (fold)", [model, plans["fold"], "--no-validate", *out], FUSE_RSS_BOUND, TIME_BOUND),
+        ("fuse (last)", [model, plans["last"], "--no-validate", *out], FUSE_RSS_BOUND, TIME_BOUND),
+        ("fuse + validation", [model, plans["fold"], *out], VALIDATE_RSS_BOUND, None),
     ]
     for step, args, bound, time_bound in runs:
         log(f"{name}: {step} ...")
@@ -145,8 +152,26 @@ def bench_shape(name: str, spec: tuple, work: Path, stages: bool, log=print) -> 
                     STAGE_RSS_BOUND,
                 )
             )
+    if engine:
+        log(f"{name}: FP8 engine build (TensorRT-RTX) ...")
+        scales = _unit_scales(model, folder / "scales.json")
+        args = [model, "--fp8", "--scales", scales, "--out", folder / "engines"]
+        measured = _checked(measure(ROOT / "tools" / "build_engines.py", args), "engine build")
+        result.steps.append(
+            Step("FP8 engine build", measured.seconds, measured.peak_bytes, measured.seconds / copy.seconds)
+        )
     _remove(folder)
     return result
+
+
+def _unit_scales(model: Path, path: Path) -> Path:
+    """An FP8 scales file with scale 1 for every linear input (calibration is a whole-model run)."""
+    from passes.fp8 import ActivationScales, find_linears
+    from passes.model_io import load_model
+
+    names = {linear.activation.name for linear in find_linears(load_model(model).graph)}
+    ActivationScales({name: 1.0 for name in sorted(names)}).save(path)
+    return path
 
 
 def _work_seconds(measured: Measured) -> float:

@@ -1,14 +1,16 @@
 """Scale benchmark of the fusion pass (issue 13): peak memory and time against copying the weights.
 
 By default it measures both shapes of issue 13 in one run, each against a copy of its own files:
-  fp32-24x2048x8192-groups-of-4   4.8 GB fp32, 24 FFNs of 2048 x 8192, fused in groups of 4 ("fold")
-  fp16-3x8192x28672-one-group     3 fp16 FFNs of Llama-70B's shape, fused in one group ("fold")
-and, on the first, FP8 quantization and TP 8 sharding. Each step runs in a fresh child process whose own
+  fp32-24x2048x8192-groups-of-4   4.8 GB fp32, 24 FFNs of 2048 x 8192, fused in groups of 4
+  fp16-3x8192x28672-one-group     3 fp16 FFNs of Llama-70B's shape, fused in one group
+each with "fold" and "last", and, on the first, FP8 quantization and TP 8 sharding (--engine: also an FP8
+TensorRT-RTX engine build). Each step runs in a fresh child process whose own
 peak RSS is read (runtime/peak_memory.py). Bounds: fusing <= 256 MB and <= 1.2x the copy; with validation,
 FP8 and sharding <= 512 MB. Needs about 3x the model size of free disk in --workdir.
 
   python tools/bench_fuse.py [--workdir DIR] [--json]
   python tools/bench_fuse.py --shape small:256:1024:4:2:float32 --no-stages    # a quick run
+  python tools/bench_fuse.py --shape mid:1024:4096:8:4:float32 --engine         # with an engine build
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ def main() -> int:
     parser.add_argument("--shape", action="append", help="NAME:HIDDEN:FFN:BLOCKS:GROUP:DTYPE (repeatable)")
     parser.add_argument("--no-stages", action="store_true", help="skip the FP8 and sharding measurements")
     parser.add_argument(
+        "--engine", action="store_true", help="also build an FP8 TensorRT-RTX engine of the first shape"
+    )
+    parser.add_argument(
         "--workdir", type=Path, help="where to build the models (default: a temporary folder)"
     )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
@@ -54,7 +59,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         for index, (name, spec) in enumerate(shapes.items()):
             stages = index == 0 and not args.no_stages
-            results.append(fuse_bench.bench_shape(name, spec, Path(tmp), stages, log=_log))
+            engine = index == 0 and args.engine
+            results.append(fuse_bench.bench_shape(name, spec, Path(tmp), stages, log=_log, engine=engine))
     print(fuse_bench.as_json(results) if args.json else fuse_bench.report(results))
     return 0
 
