@@ -287,6 +287,15 @@ def test_full_queue_answers_503_and_a_client_that_leaves_frees_its_slot(tiny):
         assert not scheduler.running and not scheduler.waiting
         assert scheduler.steps < 3000  # the abandoned request did not run to its 4000 tokens
         assert complete(api, [8], 2).usage.completion_tokens == 2
+        # a non-streaming client that gives up (read timeout) frees its row too
+        steps = scheduler.steps
+        body = {"model": "tiny_decode", "prompt": "w4", "max_tokens": 4000, "ignore_eos": True}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(small.url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.5))
+        deadline = time.monotonic() + 30
+        while scheduler.running and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not scheduler.running and scheduler.steps - steps < 3000
 
 
 @pytest.mark.slow
