@@ -22,6 +22,7 @@ held-out tokens, before (the exact concatenation) and after healing, on the same
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import time
@@ -664,6 +665,8 @@ def run_heal(
 
     held = np.concatenate([s.windows for s in held_out(heldout_tokens)])
     result = heal(original, fused, calib_windows, held, output, config, source, log, pair)
+    del pair  # its block tables hold both models' weights (inline models); the evaluation loads them anew
+    gc.collect()
     before, after = [], []
     if eval_tokens:
         sets = held_out(eval_tokens)
