@@ -152,8 +152,8 @@ def test_bad_input_is_one_line(folded, tool, tmp_path):
 
 @pytest.mark.slow
 def test_heal_smollm2_lowers_heldout_kl(smollm2_pruned_onnx, tmp_path):
-    """The goal plan of issue 11 with a small healing (1024 calibration tokens, closed-form down refit and
-    a few Adam steps): group errors and the held-out KL drop (full numbers: docs/heal.md)."""
+    """The goal plan of issue 11 with a small healing (1024 calibration tokens, 4 Adam steps, closed-form
+    down refit): group errors and the held-out KL drop (measured 1.19 -> 0.53; docs/heal.md)."""
     fused = fuse_file(
         smollm2_pruned_onnx,
         Plan(((13, 17), (18, 21)), "fold"),
