@@ -11,9 +11,12 @@ x_t: the stream entering the group's FFNs, y_t: the original model's stream afte
 come from ONNX Runtime (the original model's per-block subgraphs, passes/analysis.BlockRunner); only the
 one group being fitted lives in torch, so memory holds one group's weights, gradients and Adam state.
 
-Inputs ("--inputs"): "original" takes x_t from the original model; "healed" (the default, chosen by
-measurement, docs/heal.md) takes it from the model healed so far, group after group, so a later group
-also learns to undo what the earlier groups still get wrong.
+Inputs ("--inputs"): "original" takes x_t from the original model; "healed" (the default) takes it from
+the model healed so far, group after group, so that a later group is fitted on the stream it will see
+(measured on the pruned SmolLM2: the same held-out KL either way, docs/heal.md).
+
+The fit: optional Adam steps on all weights, then the down projection refitted in closed form (ridge
+least squares); measured, the refit alone reaches what Adam does in a fraction of the time.
 
 The reported error of a group is the relative squared error above (0: the original blocks exactly,
 about 1: no better than leaving the group's contribution out), on the calibration tokens and on
