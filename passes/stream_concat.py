@@ -5,12 +5,14 @@ A `ConcatTensor` is the concatenation of `Part`s along one axis of the stored ma
 - axis 0: the parts one after the other (rows of the first part, then of the second, ...);
 - axis 1: each output row is the parts' rows side by side (rows interleave the parts).
 
-When the model is saved, `tofile` writes the result chunk by chunk (about `CHUNK_BYTES` each). Each chunk
-is read from the sources with `os.preadv` into a small buffer: neither a source nor the fused matrix is
-ever mapped or held whole, so memory does not grow with the group or the matrix size (file pages a
-process maps count towards its resident size; pages it only reads or writes do not). A part can scale
-its values along one axis on the way ("fold" multiplies each block's norm weight into its rows), and
-half-precision rows are rounded once, exactly as a whole-matrix numpy computation would round them.
+When the model is saved, `tofile` writes the result in chunks of about `CHUNK_BYTES`. A plain part (whole
+rows, unscaled) of an axis-0 concatenation is copied file to file by the kernel (copy_file_range). Other
+chunks are read with `os.preadv` straight into their place in a small buffer, scaled there, and built by
+two threads ahead of the writer. Neither a source nor the fused matrix is ever mapped or held whole, so
+memory does not grow with the group or the matrix size (file pages a process maps count towards its
+resident size; pages it only reads or writes do not). "fold" multiplies each part's norm weight into
+its input dimension in float32, and half-precision rows are rounded once, exactly as a whole-matrix
+numpy computation would round them.
 """
 
 from __future__ import annotations
@@ -31,13 +33,14 @@ import numpy as np
 import onnx_ir as ir
 
 CHUNK_BYTES = 8 << 20
+Source = ir.TensorProtocol | np.ndarray  # a model's tensor (external data or in memory), or an array
 
 
 @dataclass(frozen=True)
 class Part:
     """One source matrix: the stored tensor viewed as 2-D [rows, cols], optionally a range of its rows or
-    columns, optionally transposed (then it is read through a memory map: layouts mixed within one
-    group only), optionally scaled along an axis of the result (`scale` broadcasts against it)."""
+    columns, optionally transposed (layouts mixed within one group: read a band at a time through a
+    memory map whose pages are dropped after each band), optionally scaled along an axis of the result."""
 
     tensor: Source
     rows: int
@@ -104,9 +107,6 @@ class Part:
         if self.row_range is not None:
             matrix = matrix[self.row_range[0] : self.row_range[1]]
         return np.ascontiguousarray(matrix.T)
-
-
-Source = ir.TensorProtocol | np.ndarray
 
 
 def read_rows(tensor: Source, rows: int, cols: int, start: int, stop: int) -> np.ndarray:
