@@ -10,6 +10,8 @@ How (see docs/export.md, "Hugging Face checkpoints"):
 2. exporters.hf_model builds the model on the meta device (no weight memory) with the checkpoint's parameter
    names, and torch.onnx.export(dynamo=True, optimize=False) traces it. Its initializers are then the
    parameters, named as in the checkpoint (a tied lm_head appears once, under one of its two names).
+   Tracing costs seconds per layer, so a prefill graph is traced with one layer per distinct block kind
+   and its layers are then copied into the full sequence (exporters.hf_replicate).
 3. The rotary buffers get their real values; the parameters get no value at all, so that the exporter's
    optimizer (run next, the same one `optimize=True` runs) folds everything else but leaves every weight
    as an untouched, named initializer (linear weights stay [out, in], read through Transpose).
@@ -277,13 +279,16 @@ def export_hf(
     dtype: str | None = None,
     opset: int | None = None,
     decode: bool = False,
+    replicate: bool = True,
     log: Callable[[str], None] = lambda message: None,
 ) -> HfExportResult:
     """Export the checkpoint in `folder` to `output` (+ `<output>.data` and the side files beside it).
 
     `dtype` (float32 | float16 | bfloat16) defaults to the checkpoint's torch_dtype. `decode` writes the
     KV-cache decode graph of exporters/decode.py instead (float32; see hf_config.decode_spec for what it
-    covers). Raises UserError for bad input before anything is written (and before torch is imported).
+    covers). `replicate` traces one layer per distinct block kind and copies it (exporters.hf_replicate;
+    False traces every layer). Raises UserError for bad input before anything is written (and before torch
+    is imported).
     """
     start = time.perf_counter()
     folder, output = Path(folder), Path(output)
@@ -309,7 +314,8 @@ def export_hf(
             write_data, staged.with_name(f"{staged.name}.data"), sources, placements, ir_dtype
         )
         traced = time.perf_counter()
-        onnx_model = trace(traceable, opset)
+        onnx_model = trace_prefill(config, dtype, opset, log) if replicate and spec is None else None
+        onnx_model = onnx_model or trace(traceable, opset)
         trace_seconds = time.perf_counter() - traced
         onnx_model.metadata_props[METADATA_KEY] = json.dumps(describe(config, folder, dtype))
         onnx_model.metadata_props.update(traceable.metadata)
@@ -386,6 +392,24 @@ def trace(traceable: hf_model.Traceable, opset: int | None) -> ir.Model:
         program.optimize()
     onnx_model = program.model
     traceable.name_dims(onnx_model)
+    return onnx_model
+
+
+def trace_prefill(
+    config: HfConfig, dtype: str, opset: int | None, log: Callable[[str], None]
+) -> ir.Model | None:
+    """The prefill graph traced with one layer per distinct kind and replicated (None: trace it whole)."""
+    from exporters import hf_model, hf_replicate
+
+    if not hf_replicate.worth_replicating(config):
+        return None
+    reduced = hf_model.prefill_traceable(hf_replicate.reduced_config(config), hf_model.TORCH_DTYPES[dtype])
+    onnx_model = trace(reduced, opset)
+    try:
+        hf_replicate.replicate_layers(onnx_model, config)
+    except hf_replicate.ReplicationError as exc:
+        log(f"cannot replicate layers ({exc}); tracing every layer")
+        return None
     return onnx_model
 
 

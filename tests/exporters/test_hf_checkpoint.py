@@ -323,6 +323,58 @@ def test_nemotron_bf16_export_runs(nemotron_bf16, nemotron_fp32) -> None:
     assert np.abs(bf16 - fp32).max() <= 0.05 * np.abs(fp32).max()
 
 
+# Repeated kinds among distinct ones: GQA with two KV-head counts, attention-free runs, a no_op FFN, a
+# Linear attention and a Linear FFN, and an all-no_op layer (no nodes at all).
+REPLICATED_BLOCKS = [
+    deci_block(4, 1.0),
+    deci_block("no_op", 1.0),
+    deci_block("no_op", 1.0),
+    deci_block(4, 1.0),
+    deci_block("linear", "linear"),
+    deci_block("no_op", 2.0),
+    deci_block("no_op", "no_op"),
+    deci_block(2, "no_op"),
+    deci_block("no_op", 1.0),
+    deci_block(4, 1.0),
+]
+
+
+def _scoped_ops(path: Path) -> dict[tuple[str, str], int]:
+    """(innermost model.layers.N scope or "", op type) -> count, from the exporter's name scopes."""
+    import re
+    from collections import Counter
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    counts: Counter = Counter()
+    for node in graph.node:
+        scopes = {p.key: p.value for p in node.metadata_props}.get("pkg.torch.onnx.name_scopes", "")
+        layer = re.search(r"'(model\.layers\.\d+)'", scopes)
+        counts[(layer.group(1) if layer else "", node.op_type)] += 1
+    return dict(counts)
+
+
+def test_replicated_layers_equal_direct_trace(tmp_path) -> None:
+    config = nemotron_config(REPLICATED_BLOCKS, hidden=64, heads=4, vocab=VOCAB, rope_scaling=NEMOTRON_ROPE)
+    folder = write_nemotron(tmp_path / "ckpt", config, shards=2, seed=3)
+    messages: list[str] = []
+    replicated = export_hf(folder, tmp_path / "rep" / "model.onnx", dtype="float32", log=messages.append)
+    assert not any("cannot replicate" in m for m in messages), messages
+    direct = export_hf(folder, tmp_path / "direct" / "model.onnx", dtype="float32", replicate=False)
+    graphs = [onnx.load(str(r.path), load_external_data=False).graph for r in (replicated, direct)]
+    assert len(graphs[0].node) == len(graphs[1].node)
+    external = onnx.TensorProto.EXTERNAL
+    weights = [{t.name for t in g.initializer if t.data_location == external} for g in graphs]
+    assert weights[0] == weights[1] and "model.layers.9.self_attn.q_proj.weight" in weights[0]
+    assert len(graphs[0].initializer) == len(graphs[1].initializer)
+    assert any(n.name.startswith("layers.9/") for n in graphs[0].node)  # layer 9 is a copy of layer 0
+    assert _scoped_ops(replicated.path) == _scoped_ops(direct.path)  # per-layer ops, name scopes renamed
+    ids = tokens()
+    got, want = run_onnx(replicated.path, ids), run_onnx(direct.path, ids)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    expected = reference_logits(folder, ids)
+    assert np.abs(got - expected).max() <= TOLERANCE * max(1.0, np.abs(expected).max())
+
+
 def test_llama_with_dropped_attention_matches_transformers(llama_dropped) -> None:
     """hf_folder's zero-o_proj layers become attention-free blocks; logits match the folder's transformers."""
     folder, path = llama_dropped
