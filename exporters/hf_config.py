@@ -5,7 +5,7 @@ Two kinds of checkpoint are understood:
 - the Llama family: LlamaForCausalLM, MistralForCausalLM (sliding window), Qwen2ForCausalLM (q/k/v bias,
   per-layer sliding window); every layer has attention with `num_key_value_heads` KV heads and a SwiGLU
   FFN of width `intermediate_size`;
-- DeciLMForCausalLM / nemotron-nas (DESIGN 7): each layer's `block_configs` entry says whether attention
+- DeciLMForCausalLM / nemotron-nas (design §7): each layer's `block_configs` entry says whether attention
   is absent (no_op), one hidden x hidden Linear (replace_with_linear) or GQA with
   num_attention_heads / n_heads_in_group KV heads, and whether the FFN is absent, a Linear, or SwiGLU of
   width ceil256(int(2 * ffn_mult * hidden / 3)).
@@ -154,7 +154,7 @@ def expected_tensors(config: HfConfig) -> dict[str, tuple[tuple[int, ...], str]]
 
 
 def ffn_width(ffn_mult: float, hidden: int) -> int:
-    """DeciLM's SwiGLU width (DESIGN 7): int(2 * ffn_mult * hidden / 3) rounded up to a multiple of 256."""
+    """DeciLM's SwiGLU width (design §7): int(2 * ffn_mult * hidden / 3) rounded up to a multiple of 256."""
     return math.ceil(int(2 * ffn_mult * hidden / 3) / FFN_GRANULARITY) * FFN_GRANULARITY
 
 
@@ -336,7 +336,7 @@ def _sliding_windows(r: _Reader, n_layers: int) -> list[int | None]:
 def _deci_layers(r: _Reader, config: HfConfig) -> list[LayerConfig]:
     blocks = r.data.get("block_configs")
     if not isinstance(blocks, list) or not blocks:
-        raise r.fail("block_configs", "must be a non-empty list (one entry per layer, DESIGN 7)")
+        raise r.fail("block_configs", "must be a non-empty list (one entry per layer, docs/design.md §7)")
     n_layers = r.int("num_hidden_layers", len(blocks))
     if n_layers != len(blocks):
         raise r.fail("num_hidden_layers", f"= {n_layers} but block_configs has {len(blocks)} entries")

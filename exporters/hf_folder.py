@@ -1,12 +1,12 @@
 """SmolLM2-135M as a Hugging Face folder (config.json, model.safetensors, tokenizer, generation_config.json).
 
 Third-party exporters (Optimum, ONNX Runtime GenAI's builder, torch.onnx) read a model from such a folder.
-The recipe is DESIGN 5's: transformers 5 refuses `save_pretrained` on the GGUF-loaded model, so a plain
+The recipe is design §5's: transformers 5 refuses `save_pretrained` on the GGUF-loaded model, so a plain
 model is built with `from_config`, the loaded weights are copied in with a strict `load_state_dict`, and
 that is saved; config.json also gets a top-level `rope_theta` (transformers 4.57, Optimum's, otherwise
 uses 10000) and the tokenizer is saved as `PreTrainedTokenizerFast` (4.57 cannot load `TokenizersBackend`).
 
-`drop_attention` makes the Nemotron-NAS shape (DESIGN 3b) expressible in a plain Llama folder: those
+`drop_attention` makes the Nemotron-NAS shape (docs/design.md §3b) expressible in a plain Llama folder: those
 layers' `o_proj` weights are zero, so the attention sub-block adds exactly 0 to the stream and the folder,
 loaded by any transformers, computes h + mlp(post_attention_layernorm(h)) there. The layer list is
 recorded in config.json under `DROPPED_ATTENTION_KEY`; exporters remove those sub-blocks (and their input
@@ -25,7 +25,7 @@ from exporters.smollm2 import check_blocks, load_model, load_tokenizer
 
 # config.json key listing the layers whose attention was dropped (o_proj zero); ignored by transformers.
 DROPPED_ATTENTION_KEY = "ffn_fusion_dropped_attention"
-ROPE_THETA = 100000.0  # SmolLM2's (DESIGN 5)
+ROPE_THETA = 100000.0  # SmolLM2's (docs/design.md §5)
 
 
 def save_smollm2(folder: Path, drop_attention: Sequence[int] = ()) -> Path:

@@ -1,7 +1,7 @@
 """Random nemotron-nas (DeciLMForCausalLM) checkpoints in the published layout, for tests and benchmarks.
 
 config.json with block_configs (every field the published configs carry), safetensors shards in bf16 and
-model.safetensors.index.json (DESIGN 7). Written tensor by tensor, one shard in memory at a time, so it
+model.safetensors.index.json (design §7). Written tensor by tensor, one shard in memory at a time, so it
 also makes the multi-GB checkpoints of tools/bench_export.py.
 """
 
@@ -85,7 +85,7 @@ def nemotron_config(
 
 
 def nemotron_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """The tensors of a nemotron-nas checkpoint (DESIGN 7), in checkpoint order."""
+    """The tensors of a nemotron-nas checkpoint (docs/design.md §7), in checkpoint order."""
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
     head_dim = hidden // heads
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config["vocab_size"], hidden)}

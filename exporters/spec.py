@@ -1,8 +1,8 @@
 """Model specifications: the per-block shape of a Llama/DeciLM-style model (no torch needed).
 
-A `ModelSpec` lists its blocks in residual-stream order (DESIGN 2). Each block has an FFN of its own
+A `ModelSpec` lists its blocks in residual-stream order (docs/design.md §2). Each block has an FFN of its own
 width and, optionally, an attention sub-block before it. `super49b_spec` builds the shape of
-Llama-3.3-Nemotron-Super-49B (Puzzle-49B, DESIGN 6) at any hidden size.
+Llama-3.3-Nemotron-Super-49B (Puzzle-49B, docs/design.md §6) at any hidden size.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 from passes.blocks import attention_free_runs  # noqa: F401  (re-exported: part of the spec API)
 from passes.errors import UserError
 
-# The paper's rounding granularity for FFN widths (DESIGN 6: ceil256).
+# The paper's rounding granularity for FFN widths (docs/design.md §6: ceil256).
 PAPER_FFN_GRANULARITY = 256
 # Used by `super49b_spec` below this hidden size, so that small models keep distinct, small widths.
 SMALL_HIDDEN = 1024
@@ -152,7 +152,7 @@ def ffn_width(ffn_mult: float, hidden: int, granularity: int = PAPER_FFN_GRANULA
     return math.ceil(int(2 * ffn_mult * hidden / 3) / granularity) * granularity
 
 
-# DESIGN 6, Llama-3.3-Nemotron-Super-49B-v1: (first block, last block, attention, ffn_mult per block).
+# design §6, Llama-3.3-Nemotron-Super-49B-v1: (first block, last block, attention, ffn_mult per block).
 _SUPER49B_RUNS: list[tuple[int, int, bool, list[float]]] = [
     (0, 0, True, [2.625]),
     (1, 5, True, [5.25]),

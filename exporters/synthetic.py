@@ -2,7 +2,7 @@
 
 Used for pattern tests and for the fusion scale benchmark. The residual stream is
 embedding -> [attention] -> RMSNorm -> SwiGLU -> Add ... -> final norm -> lm_head, in the norm/FFN
-form chosen by name (DESIGN 3). Weights are random; with `external=True` each initializer is written
+form chosen by name (docs/design.md §3). Weights are random; with `external=True` each initializer is written
 to one external data file as it is generated, so a multi-GB model never sits in memory.
 """
 

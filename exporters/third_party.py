@@ -2,7 +2,7 @@
 
 Each entry is one exporter's graph of the same model: SmolLM2 saved as a Hugging Face folder
 (exporters/hf_folder.py) with attention dropped from blocks 13-22 the way a Nemotron-NAS model has it
-(DESIGN 3b: no attention and no input norm there). The folder stores those layers' o_proj as zeros, so
+(design §3b: no attention and no input norm there). The folder stores those layers' o_proj as zeros, so
 the folder itself, loaded by transformers, is the exact torch reference of every entry.
 
     entry            exporter                                                   attention dropped
@@ -19,7 +19,7 @@ The surgery (`drop_attention`) uses the model map: the attention sub-block's res
 (for Skip*Normalization chains the FFN's norm weight moves onto the preceding SkipSimplifiedLayerNorm),
 its KV-cache inputs and outputs are removed, and the dead nodes go.
 
-Optimum needs transformers < 4.58 (DESIGN 5): it runs from its own venv, `.venv-optimum` beside the
+Optimum needs transformers < 4.58 (docs/design.md §5): it runs from its own venv, `.venv-optimum` beside the
 project (`make optimum-venv`, which `make test` depends on; `ensure_optimum_venv` creates it on demand).
 
 Cache: `corpus_dir()` = $FFN_FUSION_CORPUS, else ~/.cache/ffn-fusion/corpus-v<CORPUS_VERSION>; every
@@ -54,7 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 OPTIMUM_VENV = ROOT / ".venv-optimum"
 # onnx and onnxruntime: Optimum needs them to fix the exported dynamic axes (not its own dependencies).
 OPTIMUM_REQUIREMENTS = ("optimum-onnx==0.1.0", "transformers>=4.57,<4.58", "onnx", "onnxruntime")
-TORCH_PIN = "torch==2.13.0"  # the CPU build (DESIGN 5), installed first
+TORCH_PIN = "torch==2.13.0"  # the CPU build (docs/design.md §5), installed first
 DROPPED: tuple[int, ...] = tuple(range(13, 23))
 ENTRIES = ("optimum", "optimum-nopast", "genai-fp32", "genai-int4", "torchscript-17", "ort-optimizer",
            "dynamo-18", "dynamo-23")
@@ -86,7 +86,7 @@ def ensure_optimum_venv(log: Log = print) -> Path:
     wanted = " ".join((TORCH_PIN, *OPTIMUM_REQUIREMENTS))
     if stamp.exists() and stamp.read_text() == wanted:
         return optimum_python()
-    log(f"creating {OPTIMUM_VENV} (transformers 4.57 for Optimum, DESIGN 5)")
+    log(f"creating {OPTIMUM_VENV} (transformers 4.57 for Optimum, docs/design.md §5)")
     if not optimum_python().exists():
         _run([sys.executable, "-m", "venv", str(OPTIMUM_VENV)])
     pip = [str(optimum_python()), "-m", "pip", "install", "--quiet"]

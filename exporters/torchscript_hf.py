@@ -1,6 +1,6 @@
 """TorchScript (legacy torch.onnx) export of a Hugging Face causal LM folder: input_ids -> logits.
 
-Run as a script by exporters/third_party.py in the Optimum venv (transformers 4.57, DESIGN 5), so it
+Run as a script by exporters/third_party.py in the Optimum venv (transformers 4.57, docs/design.md §5), so it
 imports nothing of this project. transformers' mask code does not trace under TorchScript (vmap, and
 aten::diff in find_packed_sequence_indices): the vmap-free mask functions Optimum ships are registered and
 the packed-sequence search is switched off (inputs are never packed here), as Optimum's own patcher does.

@@ -1,4 +1,4 @@
-"""The block table's records (DESIGN 2): every FFN sub-block, together with the attention sub-block
+"""The block table's records (docs/design.md §2): every FFN sub-block, together with the attention sub-block
 directly before it (if any), is one block, numbered in stream order.
 
 The stream walk that finds them is passes/model_map.py (`build_model_map`), the one walker of the

@@ -10,7 +10,7 @@
     model_map.signature                       # passes.graph_inputs.Signature (what each input means)
     model_map.vocab_size
 
-The walk (DESIGN 2): the stream starts at the token embedding (Gather of a table, directly, through
+The walk (docs/design.md §2): the stream starts at the token embedding (Gather of a table, directly, through
 Transpose, Cast or Identity, or ORT's GatherBlockQuantized), or, in a pipeline-stage graph with no
 embedding, at the float graph input that carries it. From there it follows the residual adds: an Add, or
 a SkipSimplifiedLayerNormalization whose output 3 is the new stream, reached directly or through

@@ -1,4 +1,4 @@
-"""The fusion plan (DESIGN 2): parsed and validated against the block table before anything is written."""
+"""The fusion plan (design §2): parsed and validated against the block table before anything is written."""
 
 from __future__ import annotations
 

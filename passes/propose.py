@@ -5,7 +5,7 @@ Rules (paper sections 3 and 5.3):
   run [a, b] offers blocks a..b-1;
 - by default a group starts at an attention-free block. With `start_at_attention` a group may also
   start at the attention block just before a run (its attention stays in place, its FFN joins the
-  group; DESIGN 2). Off by default: the dependency row of that block measures skipping its attention
+  group; docs/design.md §2). Off by default: the dependency row of that block measures skipping its attention
   too, which fusion keeps, so it says little about fusing its FFN; the paper does not do it either;
 - inside a region, groups are contiguous and chosen to need the fewest sequential FFN steps such that
   every group's largest pairwise dependency max_{i<=k<l<=j} D[k][l] is at most `threshold`, it has at

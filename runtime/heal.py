@@ -1,4 +1,4 @@
-"""Healing fused groups: blockwise local distillation of each fused FFN (DESIGN 8).
+"""Healing fused groups: blockwise local distillation of each fused FFN (docs/design.md §8).
 
 Fusion replaces a group's sequential blocks x -> FFN_i -> ... -> FFN_j by the parallel sum, one wide
 SwiGLU (Theorem 3.1 makes the wide FFN exactly that sum; the sum itself is the approximation). Healing

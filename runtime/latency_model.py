@@ -369,7 +369,7 @@ def super_49b() -> ModelSpec:
         128256,
         tuple(blocks),
         SUPER_GROUPS,
-        assumptions=("DESIGN 6 block table exactly; 8 KV heads in every attention block",),
+        assumptions=("docs/design.md §6 block table exactly; 8 KV heads in every attention block",),
     )
 
 

@@ -1,4 +1,4 @@
-"""Calibration and evaluation text read at run time, and tokenization into fixed-length windows (DESIGN 5).
+"""Calibration and evaluation text read at run time, and tokenization into fixed-length windows (design §5).
 
 Two disjoint default sets, so that the plan is never chosen on the text it is judged on:
 - calibration (analysis, norm-mode choice): /usr/share/common-licenses/Apache-2.0 (English prose);

@@ -42,7 +42,7 @@ def smollm2_pruned_onnx(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def super49b_onnx(tmp_path_factory) -> Path:
-    """The Super-49B block pattern (DESIGN 6) at hidden 64, 8 heads, 1 KV head, exported once."""
+    """The Super-49B block pattern (docs/design.md §6) at hidden 64, 8 heads, 1 KV head, exported once."""
     from exporters.onnx_export import export_spec_model
     from exporters.spec import super49b_spec
 

@@ -1,5 +1,5 @@
 """The independent torch reference of a fused model: the HF model with each planned group of layers
-replaced by its parallel sum x + sum_k mlp_k(norm(x)) (DESIGN 2; the paper's FFN Fusion, in torch)."""
+replaced by its parallel sum x + sum_k mlp_k(norm(x)) (design §2; the paper's FFN Fusion, in torch)."""
 
 from __future__ import annotations
 

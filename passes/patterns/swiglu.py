@@ -1,4 +1,4 @@
-"""SwiGLU FFN: down(silu(z @ W_gate) * (z @ W_up)) in the forms exporters emit (DESIGN 3).
+"""SwiGLU FFN: down(silu(z @ W_gate) * (z @ W_up)) in the forms exporters emit (docs/design.md §3).
 
 Weights are initializers used as [in, out], Transpose(initializer) or Gemm(transB=1) over [out, in],
 optionally behind a Cast, or ONNX Runtime's int4 com.microsoft MatMulNBits (GenAI's int4 export). Gate and

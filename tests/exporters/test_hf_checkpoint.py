@@ -2,7 +2,7 @@
 
 Llama-family checkpoints are written by transformers' save_pretrained and checked against transformers'
 own forward; nemotron-nas checkpoints are written in the published layout (tests/exporters/hf_fixtures.py)
-and checked against `reference_logits` below, written from DESIGN 7 without the exporter's model code.
+and checked against `reference_logits` below, written from design §7 without the exporter's model code.
 Both kinds then go through the block table, fusion with validation, FP8 and tensor-parallel sharding.
 """
 
@@ -131,7 +131,7 @@ def _attention(x, weights, prefix, heads, kv_heads, freqs) -> torch.Tensor:
 
 
 def reference_logits(folder: Path, ids: np.ndarray, rope_factor: float | None = None) -> np.ndarray:
-    """nemotron-nas forward from DESIGN 7, in float32, reading every shard the index lists."""
+    """nemotron-nas forward from docs/design.md §7, in float32, reading every shard the index lists."""
     from safetensors.torch import load_file
 
     config = json.loads((folder / "config.json").read_text())

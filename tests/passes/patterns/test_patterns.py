@@ -1,4 +1,4 @@
-"""Every RMSNorm and SwiGLU form of DESIGN 3 is recognized, fused, and checked by numbers."""
+"""Every RMSNorm and SwiGLU form of docs/design.md §3 is recognized, fused, and checked by numbers."""
 
 from __future__ import annotations
 
