@@ -5,7 +5,9 @@ block_configs) is written, then, each in a fresh child process whose own peak RS
 (runtime.peak_memory):
   - a plain copy of the checkpoint's safetensors files (the I/O floor),
   - tools/export_model.py --hf (bf16 kept: the kernel copies each tensor),
-  - optionally --dtype float16 (tensors converted in row chunks).
+  - optionally --dtype float16 (tensors converted in row chunks),
+  - optionally the bf16 export with every layer traced (`export_direct`, replicate=False): the graph time
+    that one traced layer per distinct block kind (exporters.hf_replicate) saves.
 Bounds (issue 10): peak RSS <= 1 GB + the largest single tensor; time within 2x of the copy. The export's
 own split (graph building vs weight streaming) is reported: graph building does not grow with the weights.
 """
@@ -104,6 +106,7 @@ def bench(
     vocab: int = 32000,
     shards: int = 8,
     convert: bool = False,
+    direct: bool = False,
     log: Callable[[str], None] = print,
 ) -> BenchResult:
     checkpoint = work / "checkpoint"
@@ -118,11 +121,14 @@ def bench(
     copied = timed_copy(sorted(checkpoint.glob("*.safetensors")), work / "copy")
     shutil.rmtree(work / "copy")
     steps = [Step("copy", copied.seconds, copied.peak_bytes, output_bytes=table.total_bytes)]
-    runs = [("export_bf16", [])] + ([("export_fp16", ["--dtype", "float16"])] if convert else [])
-    for name, extra in runs:
+    script = ROOT / "tools" / "export_model.py"
+    runs = [("export_bf16", script, ["--hf", checkpoint, "-o"])]
+    runs += [("export_fp16", script, ["--dtype", "float16", "--hf", checkpoint, "-o"])] if convert else []
+    runs += [("direct_bf16", "exporters.hf_bench:export_direct", [checkpoint])] if direct else []
+    for name, target, args in runs:
         log(f"running {name} ...")
         out = work / name / "model.onnx"
-        run = measure(ROOT / "tools" / "export_model.py", ["--hf", checkpoint, "-o", out, *extra])
+        run = measure(target, [*args, out])
         if run.code != 0:
             raise RuntimeError(f"{name} failed: {run.output[-800:]}")
         split = re.search(r"time: graph ([\d.]+) s, weights ([\d.]+) s", run.output)
@@ -131,3 +137,12 @@ def bench(
         steps.append(Step(name, run.seconds, run.peak_bytes, graph, weights, size))
         shutil.rmtree(out.parent)
     return BenchResult(table.total_bytes, table.largest_bytes, layers, hidden, steps)
+
+
+def export_direct() -> int:
+    """Child process entry (argv: checkpoint folder, output): the export with every layer traced."""
+    from exporters.hf_checkpoint import export_hf
+
+    result = export_hf(sys.argv[1], sys.argv[2], replicate=False)
+    print(f"  time: graph {result.trace_seconds:.1f} s, weights {result.write_seconds:.1f} s")
+    return 0

@@ -6,7 +6,7 @@ checkpoint's safetensors files, the bf16 export, and with --convert the float16 
 Default: hidden 2048, 72 layers (every other one attention-free), vocab 32000: about 3.8 GB bf16; needs
 about 2.5x that of free disk in --workdir (default /tmp); everything is deleted afterwards.
 
-  python tools/bench_export.py [--workdir DIR] [--convert] [--json]
+  python tools/bench_export.py [--workdir DIR] [--convert] [--direct] [--json]
   python tools/bench_export.py --hidden 256 --layers 4 --vocab 1000     # a quick run
 """
 
@@ -31,6 +31,9 @@ def main() -> int:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--shards", type=int, default=8)
     parser.add_argument("--convert", action="store_true", help="also export with --dtype float16")
+    parser.add_argument(
+        "--direct", action="store_true", help="also export tracing every layer (no replication)"
+    )
     parser.add_argument("--workdir", type=Path, help="where to write (default: a temporary folder in /tmp)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args()
@@ -45,6 +48,7 @@ def main() -> int:
             args.vocab,
             args.shards,
             args.convert,
+            args.direct,
             log=lambda m: print(m, file=sys.stderr, flush=True),
         )
     print(result.as_json() if args.json else result.report())
