@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import onnxruntime as ort
 from tqdm import tqdm
 
@@ -43,6 +44,11 @@ FLOAT_TYPES = {
 }
 # The block-by-block chain must reproduce the whole model's last stream to this relative error.
 CHAIN_TOLERANCE = 1e-3
+# Ops whose output depends only on their input's shape: skipping a block does not change it.
+SHAPE_ONLY_OPS = {"Shape", "Size"}
+# Fused add + norm (ONNX Runtime contrib ops): output 0 is the normalized sum, output 3 the sum (the stream).
+SKIP_NORMS = {"SkipSimplifiedLayerNormalization": "SimplifiedLayerNormalization",
+              "SkipLayerNormalization": "LayerNormalization"}
 # Above this many bytes of weights a BlockRunner streams: one block's weights in memory at a time.
 STREAMING_BYTES = 3 << 30
 
@@ -93,11 +99,15 @@ class _Graph:
         self.initializers = {t.name for t in graph.initializer}
         self.graph_inputs = {v.name for v in graph.input}
 
-    def forward_cone(self, start: str) -> set[str]:
-        """Names of all values computed from `start` (including it)."""
+    def forward_cone(self, start: str, values_only: bool = False) -> set[str]:
+        """Names of all values computed from `start` (including it). With `values_only`, only through edges
+        that carry values: not into Shape/Size nor CastLike's type input (skipping a block keeps shapes)."""
         seen, frontier = {start}, [start]
         while frontier:
-            for k in self.consumers.get(frontier.pop(), []):
+            name = frontier.pop()
+            for k in self.consumers.get(name, []):
+                if values_only and not _reads_values(self.nodes[k], name):
+                    continue
                 for out in self.nodes[k].output:
                     if out and out not in seen:
                         seen.add(out)
@@ -123,6 +133,13 @@ class _Graph:
         return sorted(side)
 
 
+def _reads_values(node: onnx.NodeProto, name: str) -> bool:
+    """Whether `node` reads the values of input `name` (not only its shape or type)."""
+    if node.op_type in SHAPE_ONLY_OPS:
+        return False
+    return not (node.op_type == "CastLike" and name not in node.input[:1])
+
+
 def _typed_proto(path: Path) -> onnx.ModelProto:
     """The model proto (external data left on disk) with value types from shape inference."""
     proto = load_proto(path)
@@ -137,26 +154,82 @@ def _value_types(proto: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
     return {v.name: v for v in [*graph.value_info, *graph.input, *graph.output]}
 
 
+def _proto_node(graph: _Graph, node: ir.Node) -> onnx.NodeProto:
+    """The proto node of the onnx_ir node `node` (matched by op type and input names)."""
+    inputs = [v.name if v is not None else "" for v in node.inputs]
+    for candidate in graph.nodes:
+        if candidate.op_type == node.op_type and list(candidate.input)[: len(inputs)] == inputs:
+            return candidate
+    raise UserError(f"internal error: node {node.name!r} not found in the model proto")
+
+
+def stream_names(proto: onnx.ModelProto, blocks: list[Block]) -> list[tuple[str, str]]:
+    """(input, output) stream names of every block. A last block whose residual sum the final
+    Skip*Normalization keeps internal (output 3 unnamed) gets that output named in `proto`."""
+    names = [(b.block_input.name, b.residual.output.name if b.residual.output is not None else "")
+             for b in blocks]
+    if not names[-1][1]:
+        graph = _Graph(proto)
+        node = _proto_node(graph, blocks[-1].residual.node)
+        if node.op_type not in SKIP_NORMS:
+            raise UserError(f"internal error: the last block's residual {node.op_type} has no output")
+        sum_name = f"{node.name or node.output[0]}/residual_sum"
+        while len(node.output) < 4:
+            node.output.append("")
+        node.output[3] = sum_name
+        names[-1] = (names[-1][0], sum_name)
+    return names
+
+
+def _split_skip_norms(proto: onnx.ModelProto, starts: list[str]) -> None:
+    """A block that starts at a Skip*Normalization's sum (output 3) also reads its normalized output 0,
+    which the same node computes from the previous block's values. Give such a block its own norm:
+    consumers of output 0 read a plain (Simplified)LayerNormalization of the sum instead (same weights)."""
+    graph = _Graph(proto)
+    for start in starts:
+        k = graph.producer.get(start)
+        node = graph.nodes[k] if k is not None else None
+        if node is None or node.op_type not in SKIP_NORMS or len(node.output) < 4 or start != node.output[3]:
+            continue
+        normalized = node.output[0]
+        if not graph.consumers.get(normalized):
+            continue
+        block_norm = f"{normalized}/block_norm"
+        attrs = [a for a in node.attribute if a.name == "epsilon"]
+        beta = node.input[3:4] if node.op_type == "SkipLayerNormalization" else []  # Simplified: 3 is a bias
+        inputs = [start, node.input[2], *[b for b in beta if b]]
+        norm = onnx.helper.make_node(SKIP_NORMS[node.op_type], inputs, [block_norm], name=block_norm, axis=-1)
+        norm.attribute.extend(attrs)
+        for j in graph.consumers[normalized]:
+            consumer = graph.nodes[j]
+            for slot, name in enumerate(consumer.input):
+                if name == normalized:
+                    consumer.input[slot] = block_norm
+        proto.graph.node.insert(k + 1, norm)
+        graph = _Graph(proto)
+
+
 def cut_blocks(path: Path, blocks: list[Block], proto: onnx.ModelProto) -> list[BlockCut]:
     """One subgraph per block (onnx.utils.Extractor on the proto; weights stay where they are).
 
-    Stream tensors whose type shape inference left unknown get the embedding output's type in `proto`.
+    Stream tensors whose type shape inference left unknown get the embedding output's type in `proto`;
+    fused Skip*Normalization nodes at block boundaries are split in `proto` (see _split_skip_norms).
     """
+    names = stream_names(proto, blocks)
+    _split_skip_norms(proto, [start for start, _ in names[1:]])
     graph = _Graph(proto)
-    stream = graph.forward_cone(blocks[0].block_input.name)
+    stream = graph.forward_cone(names[0][0], values_only=True)
     sides = []
-    for k, block in enumerate(blocks):
-        start, end = block.block_input.name, block.residual.output.name
-        if k + 1 < len(blocks) and blocks[k + 1].block_input.name != end:
+    for k, (start, end) in enumerate(names):
+        if k + 1 < len(blocks) and names[k + 1][0] != end:
             raise UserError(f"block {k + 1} does not start where block {k} ends; cannot analyze this graph")
         sides.append(graph.block_side_inputs(start, end))
     _check_side_inputs(blocks, sides, stream, _value_types(proto))
-    _fill_stream_types(proto, blocks)
+    _fill_stream_types(proto, [start for start, _ in names] + [names[-1][1]])
     types = _value_types(proto)
     extractor = onnx.utils.Extractor(proto)
     cuts = []
-    for block, side in zip(blocks, sides, strict=True):
-        start, end = block.block_input.name, block.residual.output.name
+    for block, side, (start, end) in zip(blocks, sides, names, strict=True):
         unknown = [name for name in side if name not in types]
         if unknown:
             raise UserError(
@@ -182,11 +255,11 @@ def _check_side_inputs(blocks: list[Block], sides: list[list[str]], stream: set[
                 )
 
 
-def _fill_stream_types(proto: onnx.ModelProto, blocks: list[Block], extra: Iterable[str] = ()) -> None:
+def _fill_stream_types(proto: onnx.ModelProto, names: list[str]) -> None:
+    """Stream values (`names`, the first one the first block's input) without a type get the first's."""
     types = _value_types(proto)
-    first = types.get(blocks[0].block_input.name)
+    first = types.get(names[0])
     elem = first.type.tensor_type.elem_type if first is not None else onnx.TensorProto.FLOAT
-    names = [b.block_input.name for b in blocks] + [blocks[-1].residual.output.name, *extra]
     for name in names:
         if name not in types:
             proto.graph.value_info.append(onnx.helper.make_tensor_value_info(name, elem, None))
@@ -228,6 +301,9 @@ class BlockRunner:
                 self._sessions[k] = session(self.cuts[k].proto, self.path.parent, self.threads)
                 self.cuts[k].proto = onnx.ModelProto()  # the session holds the weights now
         return self._sessions[k]
+
+    def _stream_names(self) -> list[str]:
+        return [c.input_name for c in self.cuts] + [self.cuts[-1].output_name]
 
     def _prefix(self) -> ort.InferenceSession:
         """The graph from its inputs to the first block's input and every block's side tensors (the
@@ -284,7 +360,7 @@ class BlockRunner:
         if self.streaming:
             return self._capture_streaming(tokens, extra, only)
         proto = self.proto
-        _fill_stream_types(proto, self.blocks, extra)
+        _fill_stream_types(proto, [*self._stream_names(), *extra])
         types = _value_types(proto)
         feed = input_feed(proto, tokens)
         saved = list(proto.graph.output)
@@ -322,7 +398,7 @@ class BlockRunner:
             block = self.blocks[k]
             start, end = block.block_input.name, block.ffn_input.name
             side = _Graph(self.proto).block_side_inputs(start, end)
-            _fill_stream_types(self.proto, self.blocks, [end])
+            _fill_stream_types(self.proto, [*self._stream_names(), end])
             sub = onnx.utils.Extractor(self.proto).extract_model([start, *side], [end])
             if self.streaming:  # release the loaded block first
                 self._sessions.clear()

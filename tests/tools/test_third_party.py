@@ -129,24 +129,7 @@ def test_evaluate(tool, fused, third_party_corpus, name):
     assert np.isfinite(rows["all"]["ppl_original"]) and np.isfinite(rows["all"]["ppl_fused"])
 
 
-# passes/analysis.py (the heal helper's) cannot cut these graphs into blocks yet: the stream after the
-# last block is a SkipSimplifiedLayerNormalization's unnamed output 3 (GenAI, ORT optimizer), or the causal
-# mask is computed from the stream's shape (TorchScript eager). Strict: a fix turns these into failures.
-ANALYZE_XFAIL = {
-    "genai-fp32": "the last block's residual sum is SkipSimplifiedLayerNormalization's unnamed output 3",
-    "genai-int4": "the last block's residual sum is SkipSimplifiedLayerNormalization's unnamed output 3",
-    "ort-optimizer": "the last block's residual sum is SkipSimplifiedLayerNormalization's unnamed output 3",
-    "torchscript-17": "the causal mask is computed from the residual stream's shape, outside the blocks",
-}
-
-
-def _analyze_param(name: str):
-    if name not in ANALYZE_XFAIL:
-        return name
-    return pytest.param(name, marks=pytest.mark.xfail(reason=ANALYZE_XFAIL[name], strict=True))
-
-
-@pytest.mark.parametrize("name", [_analyze_param(n) for n in ENTRIES])
+@pytest.mark.parametrize("name", ENTRIES)
 def test_analyze(tool, third_party_corpus, name, tmp_path):
     result = tool("analyze", third_party_corpus[name], "--out", tmp_path, "--num-tokens", "32", "--window",
                   "32", "--quiet", "--norm", "last")
