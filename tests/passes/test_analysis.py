@@ -131,13 +131,16 @@ def test_cosine_distance_zero_vectors():
     assert cosine_distance(x, x[::-1]) == pytest.approx(1.0)
 
 
-def test_shared_norm_graph_is_rejected(tmp_path):
-    """SkipSimplifiedLayerNormalization computes block k+1's norm inside block k: not separable."""
+def test_shared_norm_graph_is_split(tmp_path):
+    """SkipSimplifiedLayerNormalization computes block k+1's norm in the node that ends block k: the
+    analysis gives block k+1 its own norm of the stream, so skipping block k changes what block k+1 sees."""
     path = build_synthetic(
-        SyntheticSpec(norm="skip_simplified_ln", blocks=[(False, 16), (False, 24)]), tmp_path / "skip.onnx"
+        SyntheticSpec(norm="skip_simplified_ln", blocks=[(False, 16), (False, 24), (False, 20)]),
+        tmp_path / "skip.onnx",
     )
-    with pytest.raises(UserError, match="residual stream outside the block"):
-        BlockRunner(path)
+    result = analyze(path, _tokens(), progress=False)
+    assert np.isfinite(result.dependency[0, 1:]).all() and np.isfinite(result.dependency[1, 2])
+    assert result.dependency[0, 1] > 1e-4  # 0 if block 1's norm were captured as a fixed side input
 
 
 def test_plot_dependency(tmp_path):
