@@ -39,6 +39,7 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from passes.errors import UserError
 from passes.model_io import load_model
+from passes.sessions import ORT_DISABLED_OPTIMIZERS, open_session  # noqa: F401  (re-exported)
 from passes.stream_concat import read_columns, read_rows
 
 FP8_MAX = 448.0
@@ -46,11 +47,6 @@ MIN_FP8_OPSET = 19
 TARGET_OPSET = 21
 SCALES_FORMAT = "ffn-fusion-fp8-scales/1"
 _HIST_BINS = 4096
-# ONNX Runtime's ReluQuantRewrite (the ReluQuantFusion transformer, level 2, CPU) drops a Relu in front
-# of a QuantizeLinear whose zero point is 0, as if the quantized range started at 0; for float8 it does
-# not (measured: relative error 0.89 instead of 0.047 on Relu -> Q -> DQ -> MatMul). Run FP8 models in
-# ONNX Runtime with InferenceSession(..., disabled_optimizers=ORT_DISABLED_OPTIMIZERS).
-ORT_DISABLED_OPTIMIZERS = ["ReluQuantRewrite"]
 _PASSTHROUGH_WEIGHT_OPS = ("Transpose", "Cast", "Identity")
 
 
@@ -251,21 +247,13 @@ def scale_from_amax(amax: float) -> float:
 
 
 def _calibration_session(model_path: Path, names: list[str]):
-    import onnxruntime as ort
-
     model = load_model(model_path)
     by_name = {v.name: v for v in _all_values(model.graph)}
     outputs = {v.name for v in model.graph.outputs}
     for name in names:
         if name not in outputs:
             model.graph.outputs.append(by_name[name])
-    options = ort.SessionOptions()
-    options.add_session_config_entry(
-        "session.model_external_initializers_file_folder_path", str(model_path.resolve().parent)
-    )
-    options.log_severity_level = 3
-    proto = ir.to_proto(model)
-    return ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return open_session(ir.to_proto(model), folder=model_path.parent)
 
 
 def _all_values(graph: ir.Graph) -> Iterable[ir.Value]:

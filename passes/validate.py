@@ -27,6 +27,7 @@ from passes.graph_inputs import FeedError, Signature
 from passes.model_io import load_model, load_proto, weight_bytes
 from passes.plan import Plan, parse_plan
 from passes.reference import parallel_sum
+from passes.sessions import open_session
 
 # Above this many weight bytes the whole-model run is replaced by per-group subgraph checks.
 WHOLE_MODEL_LIMIT = 3 << 30
@@ -166,12 +167,8 @@ def _is_half(proto: onnx.ModelProto) -> bool:
 
 def _session(proto: onnx.ModelProto, folder: Path) -> ort.InferenceSession:
     proto = float32_view(proto, folder) if _is_half(proto) else proto
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    options.add_session_config_entry("session.disable_prepacking", "1")  # no second copy of the weights
-    options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
     try:
-        return ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        return open_session(proto, folder=folder, prepack=False)  # no second copy of the weights
     except Exception as exc:  # onnxruntime raises its own exception types, all plain Exceptions
         raise ValidationError(f"ONNX Runtime cannot load the model: {str(exc).splitlines()[0]}") from None
 

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 
 from passes.errors import UserError
 from passes.graph_inputs import Signature
+from passes.sessions import open_session
 from passes.shard import COLLECTIVE_OP, rank_onnx_files, read_manifest
 
 __all__ = [
@@ -35,7 +35,6 @@ __all__ = [
     "relative_error",
 ]
 
-EXTERNAL_FOLDER_KEY = "session.model_external_initializers_file_folder_path"
 
 
 @dataclass(frozen=True)
@@ -235,17 +234,8 @@ class RankProgram:
     def __init__(self, path: str | Path, threads: int = 1) -> None:
         self.path = Path(path)
         self.segments, self.inputs, self.outputs = split_rank_graph(self.path)
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = threads
-        options.inter_op_num_threads = 1
-        options.log_severity_level = 3
-        options.add_session_config_entry(EXTERNAL_FOLDER_KEY, str(self.path.parent.resolve()))
         self.sessions = [
-            None
-            if seg.model is None
-            else ort.InferenceSession(
-                seg.model.SerializeToString(), options, providers=["CPUExecutionProvider"]
-            )
+            None if seg.model is None else open_session(seg.model, folder=self.path.parent, threads=threads)
             for seg in self.segments
         ]
 

@@ -60,13 +60,10 @@ def load_tokens(path: Path) -> np.ndarray:
 
 
 def _reference_error(model: Path, tokens: np.ndarray, logits: np.ndarray) -> float:
-    import onnxruntime as ort
-
+    from passes.sessions import open_session
     from runtime.tp import relative_error
 
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    session = ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
+    session = open_session(model, threads=1)
     reference = session.run(None, {session.get_inputs()[0].name: tokens})[0]
     return relative_error(logits, reference)
 
