@@ -35,6 +35,7 @@ from passes.blocks import Block, find_blocks, vocab_size
 from passes.errors import UserError
 from passes.graph_inputs import Signature
 from passes.model_io import load_model, load_proto, weight_bytes
+from passes.sessions import open_session
 
 FLOAT_TYPES = {
     onnx.TensorProto.FLOAT,
@@ -55,11 +56,7 @@ STREAMING_BYTES = 3 << 30
 
 def session(proto: onnx.ModelProto, folder: Path, threads: int = 0) -> ort.InferenceSession:
     """An ONNX Runtime CPU session for `proto` whose external data (if any) lies in `folder`."""
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    options.intra_op_num_threads = threads
-    options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
-    return ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return open_session(proto, folder=folder, threads=threads or None)
 
 
 def input_feed(proto: onnx.ModelProto, tokens: np.ndarray) -> dict[str, np.ndarray]:
