@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -196,8 +195,3 @@ def run_distributed_trt(
     if rank != 0:
         return None
     return outputs[engine.outputs[0]].float().cpu().numpy()
-
-
-def rank_files(directory: str | Path) -> Sequence[Path]:
-    """The rank ONNX files, for tools/build_engines.py (one engine per file)."""
-    return rank_onnx_files(directory)
