@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 # The third-party export corpus (issue 9): fixtures `third_party_corpus` and `corpus_hf` (tests/corpus.py).
-from corpus import corpus_hf, third_party_corpus  # noqa: E402, F401
+from tests.corpus import corpus_hf, third_party_corpus  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -58,8 +58,9 @@ def torch_logits(hf: Path, ids: np.ndarray, groups=(), mode: str = "last") -> np
     """Logits of the folder's model in torch, each group [i, j] replaced by its parallel sum
     x + sum_k mlp_k(norm(x)) (tests/torch_reference.py): independent of the ONNX rewrite."""
     import torch
-    from torch_reference import parallel_model
     from transformers import AutoModelForCausalLM
+
+    from tests.torch_reference import parallel_model
 
     model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
     parallel_model(model, groups, mode)

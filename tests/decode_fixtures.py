@@ -1,7 +1,7 @@
 """Tiny decode-graph models shared by tests/exporters/test_decode.py, tests/runtime and tests/tools.
 
 Each model is exported on first use into `<session base temp>/decode_models/`, so the three test
-folders share one export per session. Import with `sys.path.insert(0, <tests folder>)` like fp8_fixtures.
+folders share one export per session. Import as `from tests import decode_fixtures`.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import json
 import shutil
 from pathlib import Path
 
-import decode_fixtures
+from tests import decode_fixtures
 
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 EOS = 2

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -10,13 +9,11 @@ import onnxruntime as ort
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import decode_fixtures as fx  # noqa: E402
-
-from exporters.decode import METADATA_KEY, decode_model_from_spec, empty_past  # noqa: E402
-from exporters.llama import build_model  # noqa: E402
-from passes.blocks import find_blocks  # noqa: E402
-from passes.model_io import load_model  # noqa: E402
+from exporters.decode import METADATA_KEY, decode_model_from_spec, empty_past
+from exporters.llama import build_model
+from passes.blocks import find_blocks
+from passes.model_io import load_model
+from tests import decode_fixtures as fx
 
 TOL = 1e-4
 

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import onnx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import fp8_fixtures as fx  # noqa: E402
-
-from exporters.engines import EngineRequest, build_engines  # noqa: E402
-from exporters.tensorrt_engine import Profile  # noqa: E402
+from exporters.engines import EngineRequest, build_engines
+from exporters.tensorrt_engine import Profile
+from tests import fp8_fixtures as fx
 
 
 def _static_batch_copy(src: Path, folder: Path) -> Path:

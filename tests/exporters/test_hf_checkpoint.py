@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,16 +19,14 @@ import onnxruntime as ort
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hf_fixtures import (  # noqa: E402
+from exporters.hf_checkpoint import METADATA_KEY, export_hf
+from tests.exporters.hf_fixtures import (
     LLAMA3_ROPE,
     deci_block,
     nemotron_config,
     save_llama_family,
     write_nemotron,
 )
-
-from exporters.hf_checkpoint import METADATA_KEY, export_hf  # noqa: E402
 
 TOLERANCE = 1e-4
 VOCAB = 96

@@ -17,14 +17,12 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import fp8_fixtures as fx  # noqa: E402
-
-from exporters import tensorrt_engine as te  # noqa: E402
-from exporters import trt_shim  # noqa: E402
-from passes.errors import UserError  # noqa: E402
-from passes.fp8 import calibrate, quantize_fp8  # noqa: E402
-from passes.model_io import load_model, save_model  # noqa: E402
+from exporters import tensorrt_engine as te
+from exporters import trt_shim
+from passes.errors import UserError
+from passes.fp8 import calibrate, quantize_fp8
+from passes.model_io import load_model, save_model
+from tests import fp8_fixtures as fx
 
 MODEL_KINDS = ["tiny_llama", "wide_ffn"]  # add a fused-model kind here once fx.MODELS has one
 PROFILE = te.Profile(min=(1, 1), opt=(1, 16), max=(2, 64))

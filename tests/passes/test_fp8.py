@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 import tracemalloc
 from pathlib import Path
 
@@ -14,11 +13,8 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import fp8_fixtures as fx  # noqa: E402
-
-from passes.errors import UserError  # noqa: E402
-from passes.fp8 import (  # noqa: E402
+from passes.errors import UserError
+from passes.fp8 import (
     FP8_MAX,
     ORT_DISABLED_OPTIMIZERS,
     ActivationScales,
@@ -28,7 +24,8 @@ from passes.fp8 import (  # noqa: E402
     quantize_fp8,
     tokens_sha256,
 )
-from passes.model_io import load_model, save_model  # noqa: E402
+from passes.model_io import load_model, save_model
+from tests import fp8_fixtures as fx
 
 MODEL_KINDS = ["tiny_llama", "wide_ffn"]  # add a fused-model kind here once fx.MODELS has one
 

@@ -10,12 +10,12 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
-from torch_reference import parallel_model  # tests/torch_reference.py
 
 from passes.blocks import find_blocks
 from passes.model_io import load_model
 from passes.pipeline import fuse_file
 from passes.plan import Plan
+from tests.torch_reference import parallel_model  # tests/torch_reference.py
 
 SMOLLM2_GROUPS = ((13, 17), (18, 21))
 

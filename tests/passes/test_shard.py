@@ -29,10 +29,9 @@ from passes.shard import (
     shard_in_memory,
 )
 from runtime.tp import relative_error, run_simulated
+from tests import decode_fixtures
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.append(str(ROOT / "tests"))  # appended, so that tests/passes does not shadow the package
-import decode_fixtures  # noqa: E402
 
 # Super-49B pattern (8 heads, 1 KV head, attention-free runs); widths 60/100/44 and the fused 212 are not
 # multiples of 8, so tp=8 pads them.

@@ -22,10 +22,9 @@ import pytest
 from passes.graph_inputs import Signature
 from passes.shard import shard_file
 from runtime.tp import relative_error, run_simulated
+from tests.corpus import third_party_corpus  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.append(str(ROOT / "tests"))  # appended, so that tests/passes does not shadow the package
-from corpus import third_party_corpus  # noqa: E402, F401
 
 pytestmark = pytest.mark.slow
 TOLERANCE = 1e-5

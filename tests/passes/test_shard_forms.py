@@ -23,10 +23,9 @@ from passes.shard import shard_file
 from passes.shard_graph import find_structure
 from passes.shard_plan import PAD, HeadPlan, head_columns
 from runtime.tp import relative_error, run_simulated
+from tests import shard_forms
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.append(str(ROOT / "tests"))  # appended, so that tests/passes does not shadow the package
-import shard_forms  # noqa: E402
 
 TOLERANCE = 1e-5
 

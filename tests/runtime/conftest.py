@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import decode_fixtures  # noqa: E402
+from tests import decode_fixtures
 
 
 @pytest.fixture(scope="session")

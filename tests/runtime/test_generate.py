@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import decode_fixtures as fx
 import numpy as np
 import pytest
 import torch
@@ -12,6 +11,7 @@ from passes.errors import UserError
 from passes.sessions import providers_for
 from runtime.backends import OrtBackend, TpThreadsBackend, TrtBackend
 from runtime.generate import DecodeModel, greedy_generate, left_pad
+from tests import decode_fixtures as fx
 
 PROMPTS = [[3, 17, 41, 8, 60, 22], [90, 5, 33]]  # different lengths: the batch is left-padded
 

@@ -15,11 +15,9 @@ import sys
 import time
 from pathlib import Path
 
-import decode_fixtures as fx
 import httpx
 import openai
 import pytest
-import serve_fixtures as sf
 import torch
 
 from exporters.llama import build_model
@@ -28,6 +26,8 @@ from runtime.serve import loading
 from runtime.serve.batch import CachedRunner, GroupedRunner, RecomputeRunner, runner_for
 from runtime.serve.protocol import TextStream
 from runtime.serve.server import ServerThread
+from tests import decode_fixtures as fx
+from tests import serve_fixtures as sf
 
 ROOT = Path(__file__).resolve().parents[2]
 # prompts of different lengths (token ids of the tiny model; 0-3 are special)

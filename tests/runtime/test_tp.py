@@ -13,12 +13,9 @@ import numpy as np
 import onnx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "passes"))
-sys.path.append(str(Path(__file__).resolve().parents[1]))  # tests/shard_forms.py
-from test_shard import TOLERANCE, TpModels, build_models, single_device, tokens  # noqa: E402
-
-from passes.shard import count_allreduces, shard_file  # noqa: E402
-from runtime.tp import RankProgram, relative_error, run_simulated, split_rank_graph  # noqa: E402
+from passes.shard import count_allreduces, shard_file
+from runtime.tp import RankProgram, relative_error, run_simulated, split_rank_graph
+from tests.passes.test_shard import TOLERANCE, TpModels, build_models, single_device, tokens
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -125,7 +122,7 @@ def test_smollm2_tp2_tp4_over_gloo(smollm2_fused: Path, tmp_path: Path, tp: int)
 def test_attention_forms_over_gloo(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     """Every third-party attention form (tests/shard_forms.py, 9 heads / 3 KV heads) at tp=4 in one
     torchrun launch: Where masks, packed qkv, opset-23 Attention, TorchScript, ORT's Skip norms."""
-    import shard_forms
+    from tests import shard_forms
 
     base = tmp_path_factory.getbasetemp()
     sources = [shard_forms.forms_model(base, name) for name in shard_forms.FORMS]

@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import decode_fixtures as fx  # noqa: E402
+from tests import decode_fixtures as fx
 
 RESULT_KEYS = {
     "model",

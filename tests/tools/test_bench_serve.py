@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.append(str(Path(__file__).resolve().parents[1]))  # appended: tests/passes must not shadow passes
-import serve_fixtures as sf  # noqa: E402
-
-from runtime.serve import loading  # noqa: E402
-from runtime.serve.server import ServerThread  # noqa: E402
+from runtime.serve import loading
+from runtime.serve.server import ServerThread
+from tests import serve_fixtures as sf
 
 
 @pytest.fixture(scope="module")

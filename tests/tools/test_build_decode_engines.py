@@ -6,17 +6,14 @@ TensorRT-RTX builds ahead of time for sm89 here; running the engines needs a GPU
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.append(str(Path(__file__).resolve().parents[1]))  # appended: tests/passes must not shadow passes
-import decode_fixtures  # noqa: E402
-
-from exporters import tensorrt_engine as te  # noqa: E402
-from exporters import trt_shim  # noqa: E402
-from passes.errors import UserError  # noqa: E402
+from exporters import tensorrt_engine as te
+from exporters import trt_shim
+from passes.errors import UserError
+from tests import decode_fixtures
 
 SHAPES = ["--batch", "1,1,2", "--seq", "1,16,64", "--workspace-mb", "256"]
 CACHE = [f"past_{k}_{layer}" for layer in decode_fixtures.TINY_CACHE_LAYERS for k in ("key", "value")]

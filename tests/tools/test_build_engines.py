@@ -12,11 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import fp8_fixtures as fx  # noqa: E402
-
-from exporters import trt_shim  # noqa: E402
-from passes.errors import UserError  # noqa: E402
+from exporters import trt_shim
+from passes.errors import UserError
+from tests import fp8_fixtures as fx
 
 ROOT = Path(__file__).resolve().parents[2]
 SHAPES = ["--batch", "1,1,2", "--seq", "1,16,64", "--workspace-mb", "256"]

@@ -6,7 +6,6 @@ wrote it. The tools run as users run them; fused logits are checked against the 
 from __future__ import annotations
 
 import json
-import sys
 from functools import cache
 from pathlib import Path
 
@@ -15,12 +14,9 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from corpus import GROUPS, expected_attention, torch_logits  # noqa: E402
-
-from exporters.third_party import ENTRIES  # noqa: E402
-from passes.graph_inputs import Signature  # noqa: E402
+from exporters.third_party import ENTRIES
+from passes.graph_inputs import Signature
+from tests.corpus import GROUPS, expected_attention, torch_logits
 
 pytestmark = pytest.mark.slow
 # Batch 1: torch.onnx's opset-23 export writes RotaryEmbedding with cos/sin caches of batch 1, and ONNX
