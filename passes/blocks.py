@@ -1,5 +1,6 @@
-"""The block table's records (docs/design.md §2): every FFN sub-block, together with the attention sub-block
-directly before it (if any), is one block, numbered in stream order.
+"""The block table's records (docs/design.md §2): every RMSNorm -> SwiGLU FFN sub-block, together with the
+residual branches since the previous one (its attention sub-block, if any, and any fusion barrier), is one
+block, numbered in stream order.
 
 The stream walk that finds them is passes/model_map.py (`build_model_map`), the one walker of the
 project; `find_blocks` here returns its blocks.
@@ -49,6 +50,9 @@ class Block:
     ffn: SwiGLU
     residual: ResidualAdd  # adds the FFN output to the stream
     layer_name: str | None
+    # A residual branch before the FFN that is neither attention nor a SwiGLU FFN (a replace_with_linear
+    # attention or FFN, a GELU FFN): fusion cannot cross it, like attention. What it is, or None.
+    barrier: str | None = None
 
     @property
     def ffn_input(self) -> ir.Value:

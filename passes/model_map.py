@@ -3,6 +3,7 @@
     model_map = build_model_map(model)        # onnx_ir.Model; UserError when no blocks are found
     model_map.embedding                       # Embedding | None (None: a pipeline-stage graph)
     model_map.stream_start                    # the value the residual stream starts from
+    model_map.branches                        # [ResidualBranch]: every residual branch, in stream order
     model_map.blocks                          # [Block] in stream order (passes/blocks.py records)
     model_map.attention_of(i)                 # AttentionBlock | None for block i; .record is the typed
                                               # passes.patterns.attention.Attention (heads, KV heads, ...)
@@ -13,13 +14,22 @@
 The walk (docs/design.md §2): the stream starts at the token embedding (Gather of a table, directly, through
 Transpose, Cast or Identity, or ORT's GatherBlockQuantized), or, in a pipeline-stage graph with no
 embedding, at the float graph input that carries it. From there it follows the residual adds: an Add, or
-a SkipSimplifiedLayerNormalization whose output 3 is the new stream, reached directly or through
-Cast/Identity copies of the stream (Optimum casts the stream before every norm). A branch that is an
-RMSNorm -> SwiGLU FFN is an FFN sub-block; a branch with an attention core is an attention sub-block.
-Every FFN sub-block with the attention sub-block directly before it (if any) is one block.
+a Skip(Simplified)LayerNormalization whose output 3 is the new stream, reached directly or through
+Cast/Identity copies of the stream (Optimum casts the stream before every norm).
+
+`model_map.branches` lists EVERY residual branch in stream order as a `ResidualBranch` of one kind:
+
+- "ffn": RMSNorm -> SwiGLU, fusable (its `norm` and `ffn` records);
+- "attention": a branch with an attention core (Softmax or a fused attention op);
+- "linear": one projection (after any norm), e.g. a Nemotron-NAS replace_with_linear attention or FFN;
+- "other": anything else (a GELU FFN, an FP8 Q/DQ FFN, ...), opaque; `why` says what it is.
+
+`model_map.blocks` are derived from that list: every "ffn" branch, with the branches between it and the
+previous one, is one block. An attention branch there sets `Block.attention`; a "linear" or "other"
+branch there is a fusion barrier (`Block.barrier`): a plan group may not span either.
 
 This is the only stream walker: passes and tools call `build_model_map` (or `passes.blocks.find_blocks`,
-which returns its blocks).
+which returns its blocks, or `walk_stream` where a graph need not have SwiGLU blocks: the sharder).
 """
 
 from __future__ import annotations
@@ -35,14 +45,16 @@ from passes.blocks import Block, ResidualAdd
 from passes.errors import UserError
 from passes.graph import NoMatch, attr, is_initializer
 from passes.graph_inputs import Signature
-from passes.patterns.attention import Attention, branch_nodes, match_attention
+from passes.patterns.attention import Attention, branch_nodes, end_projection, is_linear, match_attention
 from passes.patterns.rmsnorm import Norm, match_rmsnorm
 from passes.patterns.swiglu import SwiGLU, match_swiglu
 
-ATTENTION_OPS = {"Softmax", "Attention", "MultiHeadAttention", "GroupQueryAttention"}
+ATTENTION_OPS = {"Softmax", "Attention", "MultiHeadAttention", "GroupQueryAttention", "AttentionPlugin"}
 COPY_OPS = ("Cast", "Identity")
-RESIDUAL_OPS = ("Add", "SkipSimplifiedLayerNormalization")
-_SKIP_NORM = "SkipSimplifiedLayerNormalization"
+# ORT's fused residual add + norm: input 0 the stream, input 1 the branch; output 0 normalized, 3 the sum
+SKIP_NORMS = ("SkipSimplifiedLayerNormalization", "SkipLayerNormalization")
+RESIDUAL_OPS = ("Add", *SKIP_NORMS)
+BRANCH_KINDS = ("ffn", "attention", "linear", "other")
 _FLOAT_TYPES = {ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE}
 # Between the final norm and lm_head: the exporters' "last tokens only" slicing and reshapes.
 _HEAD_PASS_OPS = ("Cast", "Identity", "Gather", "Slice", "Reshape", "Squeeze", "Unsqueeze", "Flatten")
@@ -58,6 +70,38 @@ class Embedding:
     ids: ir.Value  # the graph input with the token ids
     output: ir.Value
     vocab: int | None
+
+
+@dataclass(frozen=True)
+class ResidualBranch:
+    """One residual branch: `residual` adds `output` (computed from `start`) to the stream `stream`."""
+
+    index: int  # in stream order, over all branches
+    kind: str  # one of BRANCH_KINDS
+    stream: ir.Value  # the stream value before the branch (not a Cast copy of it)
+    start: ir.Value  # what the branch reads: `stream`, or a Skip*Normalization's normalized output
+    residual: ResidualAdd
+    norm: Norm | None = None  # "ffn" only
+    ffn: SwiGLU | None = None  # "ffn" only
+    why: str = ""  # "linear"/"other": what the branch is, and why it is no SwiGLU FFN
+
+    @property
+    def output(self) -> ir.Value:
+        return self.residual.branch
+
+    @functools.cached_property
+    def nodes(self) -> frozenset[ir.Node]:
+        """The branch body: every node upstream of `output` that depends on `start`."""
+        return frozenset(branch_nodes(self.output, self.start))
+
+    @property
+    def projection(self) -> ir.Node | None:
+        """The linear layer the branch ends in (o_proj, down_proj, the one Linear), if any."""
+        return end_projection(self.output)
+
+    def describe(self) -> str:
+        layer = _layer_name(self.projection or self.output.producer())
+        return f"residual branch {self.index} [{self.kind}]" + (f" ({layer})" if layer else "")
 
 
 @dataclass(frozen=True)
@@ -93,6 +137,7 @@ class ModelMap:
     signature: Signature
     embedding: Embedding | None
     stream_start: ir.Value
+    branches: tuple[ResidualBranch, ...]
     blocks: tuple[Block, ...]
     attention: tuple[AttentionBlock, ...]
     final_norm: Norm | None
@@ -112,56 +157,109 @@ class ModelMap:
         return _logits_vocab(self.signature)
 
 
+@dataclass(frozen=True)
+class Stream:
+    """The residual stream of a graph: where it starts and every branch added to it, in order."""
+
+    embedding: Embedding | None
+    start: ir.Value
+    branches: tuple[ResidualBranch, ...]
+
+    @property
+    def last(self) -> ResidualAdd | None:
+        return self.branches[-1].residual if self.branches else None
+
+
 def build_model_map(model: ir.Model) -> ModelMap:
     """Walk `model`'s residual stream once; UserError if it has no RMSNorm -> SwiGLU blocks."""
     graph = model.graph
     signature = Signature.of(model)
+    stream = walk_stream(model, signature)
+    blocks, attention = _blocks(stream.branches)
+    final_norm, lm_head = _head(graph, signature, stream.last, stream.embedding)
+    return ModelMap(
+        graph, signature, stream.embedding, stream.start, stream.branches, tuple(blocks), tuple(attention),
+        final_norm, lm_head,
+    )
+
+
+def walk_stream(model: ir.Model, signature: Signature | None = None) -> Stream:
+    """Every residual branch of `model` in stream order, each of a kind (no SwiGLU blocks needed)."""
+    graph = model.graph
     embedding = find_embedding(graph)
-    start = embedding.output if embedding is not None else _stream_input(graph, signature)
-    blocks, attention, last = _walk(start)
-    final_norm, lm_head = _head(graph, signature, last, embedding)
-    return ModelMap(graph, signature, embedding, start, tuple(blocks), tuple(attention), final_norm, lm_head)
+    if embedding is not None:
+        start = embedding.output
+    else:
+        start = _stream_input(graph, signature if signature is not None else Signature.of(model))
+    branches: list[ResidualBranch] = []
+    stream: ir.Value | None = start
+    while stream is not None and (residual := _residual_add(stream)) is not None:
+        branches.append(_classify(len(branches), stream, residual))
+        stream = residual.output
+    return Stream(embedding, start, tuple(branches))
 
 
 # ------------------------------------------------------------------------------------------ the walk
 
 
-def _walk(stream: ir.Value) -> tuple[list[Block], list[AttentionBlock], ResidualAdd | None]:
+def _classify(index: int, stream: ir.Value, residual: ResidualAdd) -> ResidualBranch:
+    start = _branch_start(stream)
+    try:
+        ffn, norm = _match_ffn(residual, stream)
+    except NoMatch as exc:
+        if _is_attention(residual.branch, start):
+            return ResidualBranch(index, "attention", stream, start, residual)
+        kind = "linear" if _is_one_linear(residual.branch, start) else "other"
+        why = "one Linear" if kind == "linear" else f"{_describe_branch(residual.branch, start)} ({exc})"
+        return ResidualBranch(index, kind, stream, start, residual, why=why)
+    return ResidualBranch(index, "ffn", stream, start, residual, norm, ffn)
+
+
+def _is_one_linear(branch: ir.Value, start: ir.Value) -> bool:
+    """The branch ends in a linear layer and has no other (a replace_with_linear attention or FFN)."""
+    nodes = branch_nodes(branch, start)
+    end = end_projection(branch, nodes)
+    return end is not None and [n for n in nodes if is_linear(n)] == [end]
+
+
+def _blocks(branches: tuple[ResidualBranch, ...]) -> tuple[list[Block], list[AttentionBlock]]:
+    """Blocks from the branch list: each "ffn" branch with the branches since the previous one."""
     blocks: list[Block] = []
     attention: list[AttentionBlock] = []
-    pending: AttentionBlock | None = None
-    block_input = stream
-    unrecognized: list[str] = []
-    last: ResidualAdd | None = None
-    while (residual := _residual_add(stream)) is not None:
-        last = residual
-        try:
-            ffn, norm = _match_ffn(residual, stream)
-        except NoMatch as exc:
-            start = _branch_start(stream)
-            if _is_attention(residual.branch, start):
-                if pending is not None:
+    before: list[ResidualBranch] = []  # branches since the previous FFN block
+    for branch in branches:
+        if branch.kind != "ffn":
+            if branch.kind == "attention":
+                if any(b.kind == "attention" for b in before):
                     raise UserError(
                         f"two attention sub-blocks in a row after block {len(blocks) - 1}: "
                         "blocks without an FFN are not supported"
-                    ) from None
-                pending = AttentionBlock(len(blocks), residual, start)
-                attention.append(pending)
-            else:
-                unrecognized.append(f"{_describe_branch(residual.branch, start)} ({exc})")
-        else:
-            name = _layer_name(ffn.output.producer())
-            blocks.append(Block(len(blocks), pending is not None, block_input, norm, ffn, residual, name))
-            pending = None
-        stream = residual.output
-        if stream is None:
-            break
-        if pending is None:
-            block_input = stream
+                    )
+                attention.append(AttentionBlock(len(blocks), branch.residual, branch.start))
+            before.append(branch)
+            continue
+        blocks.append(_block(len(blocks), branch, before))
+        before = []
     if not blocks:
-        found = "; ".join(sorted(set(unrecognized))) or "no residual stream of Add nodes after the embedding"
+        found = "; ".join(sorted({b.why for b in branches if b.why}))
+        found = found or "no residual stream of Add nodes after the embedding"
         raise UserError(f"no RMSNorm -> SwiGLU FFN blocks found: {found}")
-    return blocks, attention, last
+    return blocks, attention
+
+
+def _block(index: int, ffn: ResidualBranch, before: list[ResidualBranch]) -> Block:
+    """Block `index`: the FFN branch `ffn` and the branches `before` it since the previous block."""
+    assert ffn.norm is not None and ffn.ffn is not None
+    barrier = next((_barrier(b) for b in before if b.kind in ("linear", "other")), None)
+    block_input = before[0].stream if before else ffn.stream
+    attention = any(b.kind == "attention" for b in before)
+    name = _layer_name(ffn.ffn.output.producer())
+    return Block(index, attention, block_input, ffn.norm, ffn.ffn, ffn.residual, name, barrier)
+
+
+def _barrier(branch: ResidualBranch) -> str:
+    what = "a one-Linear branch (replace_with_linear)" if branch.kind == "linear" else branch.why
+    return f"{branch.describe()}, {what}"
 
 
 def _match_ffn(residual: ResidualAdd, stream: ir.Value) -> tuple[SwiGLU, Norm]:
@@ -206,22 +304,20 @@ def _residual_add(stream: ir.Value) -> ResidualAdd | None:
             node, slot = use.node, use.idx
             if node.op_type in RESIDUAL_OPS and slot in (0, 1):
                 candidates.append(ResidualAdd(node, slot, 1 - slot))
-    # The residual add's branch ends in a projection; other adds of the stream do not.
-    ending_in_linear = [c for c in candidates if _branch_op(c) in ("MatMul", "Gemm", "MatMulNBits")]
+    # The residual add's branch ends in a projection (maybe plus a bias); other adds of the stream do not.
+    ending_in_linear = [c for c in candidates if end_projection(c.branch) is not None]
+    if len(ending_in_linear) > 1:
+        names = ", ".join(repr(c.node.name) for c in ending_in_linear)
+        raise UserError(f"the residual stream {stream.name!r} feeds several residual adds ({names})")
     chosen = ending_in_linear or candidates
     return chosen[0] if len(chosen) == 1 else None
-
-
-def _branch_op(residual: ResidualAdd) -> str | None:
-    node = residual.branch.producer() if residual.branch is not None else None
-    return None if node is None else node.op_type
 
 
 def _branch_start(stream: ir.Value) -> ir.Value:
     """What a branch reads: the stream, or in a Skip*Normalization chain the normalized output (0) of the
     node whose output 3 is the stream."""
     node = stream.producer()
-    is_sum = node is not None and node.op_type == _SKIP_NORM and len(node.outputs) > 3
+    is_sum = node is not None and node.op_type in SKIP_NORMS and len(node.outputs) > 3
     if is_sum and node.outputs[3] is stream:
         return node.outputs[0]
     return stream
@@ -317,7 +413,7 @@ def _head(graph: ir.Graph, signature: Signature, last: ResidualAdd | None,
 
 def _final_norm_at(last: ResidualAdd | None) -> Norm | None:
     """A Skip*Normalization that ends the stream (no output 3) is the final norm."""
-    if last is None or last.node.op_type != _SKIP_NORM:
+    if last is None or last.node.op_type not in SKIP_NORMS:
         return None
     try:
         return match_rmsnorm(last.node.outputs[0])

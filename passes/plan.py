@@ -66,7 +66,8 @@ def load_plan(path: str | Path) -> Plan:
 
 
 def validate_plan(plan: Plan, blocks: list[Block]) -> None:
-    """Check the plan against the model: in range, no overlap, no attention inside a group, same dtype."""
+    """Check the plan against the model: in range, no overlap, no attention or other barrier branch inside a
+    group (only before its first block), same dtype."""
     previous: tuple[int, int] | None = None
     for first, last in sorted(plan.groups):
         if first < 0 or last >= len(blocks):
@@ -82,6 +83,11 @@ def validate_plan(plan: Plan, blocks: list[Block]) -> None:
                 raise UserError(
                     f"group [{first}, {last}] spans attention: block {block.index} has attention "
                     f"(only the first block of a group may have it)"
+                )
+            if block.barrier is not None:
+                raise UserError(
+                    f"group [{first}, {last}] spans a branch fusion cannot cross: block {block.index} "
+                    f"follows {block.barrier}"
                 )
         unweighted = [b.index for b in group if b.norm.weight is None]
         if unweighted:

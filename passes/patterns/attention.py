@@ -166,17 +166,30 @@ def branch_nodes(output: ir.Value, start: ir.Value) -> set[ir.Node]:
     return depends
 
 
-def _row_projection(output: ir.Value, nodes: set[ir.Node]) -> ir.Node:
-    """The o_proj: the linear layer behind `output` (through Cast/Identity and a constant bias Add)."""
-    node = output.producer()
-    while node is not None and node in nodes and not is_linear(node):
+def end_projection(output: ir.Value | None, nodes: set[ir.Node] | None = None) -> ir.Node | None:
+    """The linear layer behind a branch's `output` (through Cast/Identity and a constant bias Add: the
+    o_proj, down_proj or a Linear branch's one projection); None when the branch ends otherwise.
+    With `nodes`, the walk stays inside that branch body."""
+    node = output.producer() if output is not None else None
+    while node is not None and (nodes is None or node in nodes) and not is_linear(node):
         if node.op_type not in ("Cast", "Identity", "Add"):
             break
         data = [v for v in node.inputs[:2] if v is not None and constant(v) is None]
         if len(data) != 1:
             break
         node = data[0].producer()
-    if node is None or not is_linear(node):
+    return node if node is not None and is_linear(node) else None
+
+
+def before_projection(nodes: set[ir.Node], projection: ir.Node) -> set[ir.Node]:
+    """The branch body without its end projection and what follows it (a bias Add, a Cast)."""
+    return nodes - {projection} - _downstream_of(projection, nodes)
+
+
+def _row_projection(output: ir.Value, nodes: set[ir.Node]) -> ir.Node:
+    """The o_proj: the linear layer behind `output` (through Cast/Identity and a constant bias Add)."""
+    node = end_projection(output, nodes)
+    if node is None:
         raise NoMatch("the branch does not end in a linear layer (o_proj)")
     return node
 
@@ -278,7 +291,7 @@ def match_attention(output: ir.Value, start: ir.Value) -> Attention:
     """Recognize the attention branch that produces `output` from `start`; NoMatch says why not."""
     nodes = branch_nodes(output, start)
     o_proj = _row_projection(output, nodes)
-    body = nodes - {o_proj} - _downstream_of(o_proj, nodes)
+    body = before_projection(nodes, o_proj)
     fused = [n for n in body if n.op_type in FUSED_OPS and n.domain in ("", "ai.onnx", "com.microsoft")]
     if len(fused) > 1:
         raise NoMatch(f"{len(fused)} fused attention ops in one branch")

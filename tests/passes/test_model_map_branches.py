@@ -1,0 +1,86 @@
+"""Every residual branch in the model map (passes/model_map.py): kinds in stream order, blocks derived from
+them, and a Linear-replaced attention or FFN (nemotron-nas replace_with_linear) as a fusion barrier."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from exporters.hf_checkpoint import export_hf
+from passes.errors import UserError
+from passes.model_io import load_model
+from passes.model_map import build_model_map
+from passes.patterns.attention import is_linear
+from passes.plan import parse_plan, validate_plan
+from tests.exporters.hf_fixtures import deci_block, nemotron_config, write_nemotron
+
+# Layers: 0 attention + FFN, 1 FFN, 2 Linear attention + FFN, 3 Linear FFN only, 4 FFN, 5 attention + FFN,
+# 6 FFN, 7 FFN.
+LAYERS = [
+    deci_block(2, 1.0),
+    deci_block("no_op", 1.0),
+    deci_block("linear", 1.0),
+    deci_block("no_op", "linear"),
+    deci_block("no_op", 2.0),
+    deci_block(4, 1.0),
+    deci_block("no_op", 1.0),
+    deci_block("no_op", 1.0),
+]
+KINDS = ["attention", "ffn", "ffn", "linear", "ffn", "linear", "ffn", "attention", "ffn", "ffn", "ffn"]
+VOCAB = 64
+
+
+@pytest.fixture(scope="module")
+def linear_nemotron(tmp_path_factory) -> tuple[Path, Path]:
+    config = nemotron_config(LAYERS, hidden=64, heads=4, vocab=VOCAB)
+    base = tmp_path_factory.mktemp("nemotron_linear")
+    folder = write_nemotron(base / "ckpt", config, shards=1, seed=5)
+    path = base / "onnx" / "model.onnx"
+    export_hf(folder, path, dtype="float32")
+    return folder, path
+
+
+def test_every_branch_in_stream_order(linear_nemotron) -> None:
+    model_map = build_model_map(load_model(linear_nemotron[1]))
+    assert [b.kind for b in model_map.branches] == KINDS
+    for branch in model_map.branches:
+        assert branch.projection in branch.nodes  # the body (branch_nodes) ends in its projection
+        linears = [n for n in branch.nodes if is_linear(n)]
+        assert len(linears) == {"attention": 4, "ffn": 3, "linear": 1}[branch.kind]
+    # The blocks are the "ffn" branches; each starts where the previous one ends (barriers included).
+    blocks = model_map.blocks
+    ffns = [b.residual.node for b in model_map.branches if b.kind == "ffn"]
+    assert [b.residual.node for b in blocks] == ffns
+    assert [b.attention for b in blocks] == [True, False, False, False, True, False, False]
+    assert [b.barrier is not None for b in blocks] == [False, False, True, True, False, False, False]
+    assert "model.layers.2" in blocks[2].barrier and "one-Linear" in blocks[2].barrier
+    assert "model.layers.3" in blocks[3].barrier
+    for k in range(1, len(blocks)):
+        assert blocks[k].block_input is blocks[k - 1].residual.output
+
+
+@pytest.mark.parametrize("group", [[1, 2], [2, 3], [1, 4]])
+def test_plan_may_not_span_a_linear_branch(linear_nemotron, group) -> None:
+    blocks = build_model_map(load_model(linear_nemotron[1])).blocks
+    with pytest.raises(UserError, match=r"spans a branch fusion cannot cross: block [23] follows residual "
+                       r"branch \d+ \[linear\] \(model\.layers\.[23]\), a one-Linear branch"):
+        validate_plan(parse_plan({"groups": [group]}), list(blocks))
+    validate_plan(parse_plan({"groups": [[5, 6]]}), list(blocks))  # attention-free, barrier-free: fine
+
+
+def test_cli_refuses_a_group_across_a_linear_branch(tool, linear_nemotron, tmp_path) -> None:
+    import json
+
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"groups": [[1, 2]]}))
+    out = tmp_path / "fused.onnx"
+    result = tool("fuse_onnx", linear_nemotron[1], plan, "-o", out)
+    assert result.returncode == 2 and not out.exists()
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: group [1, 2] spans a branch fusion cannot cross")
+
+
+def _tokens(seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, VOCAB, size=(2, 9)).astype(np.int64)
