@@ -12,7 +12,7 @@ two threads ahead of the writer. Neither a source nor the fused matrix is ever m
 memory does not grow with the group or the matrix size (file pages a process maps count towards its
 resident size; pages it only reads or writes do not). "fold" multiplies each part's norm weight into
 its input dimension in float32, and half-precision rows are rounded once, exactly as a whole-matrix
-numpy computation would round them.
+numpy computation would round them (`scale_rows`; float16 through ONNX Runtime's vectorized casts).
 """
 
 from __future__ import annotations
@@ -80,9 +80,7 @@ class Part:
                 block = block[:, self.col_range[0] : self.col_range[1]]
             out[...] = self.transform(block) if self.transform is not None else block
         if self.scale is not None:
-            scale = self.scale[start:stop, None] if self.scale_axis == 0 else self.scale[None, :]
-            # In float32, rounded once to the weight's dtype: one buffered pass, no float32 copy of the chunk.
-            np.multiply(out, scale, out=out, dtype=np.float32, casting="unsafe")
+            scale_rows(out, self.scale[start:stop, None] if self.scale_axis == 0 else self.scale[None, :])
 
     @property
     def _direct(self) -> bool:
@@ -107,6 +105,50 @@ class Part:
         if self.row_range is not None:
             matrix = matrix[self.row_range[0] : self.row_range[1]]
         return np.ascontiguousarray(matrix.T)
+
+
+def scale_rows(out: np.ndarray, scale: np.ndarray) -> None:
+    """out = dtype(float32(out) * scale), in place: multiplied in float32 and rounded once (to nearest even)
+    to out's dtype, exactly as numpy computes it on the whole matrix.
+
+    float16 goes through ONNX Runtime's Cast -> Mul -> Cast, which converts with F16C/AVX2 (MLAS): numpy
+    2.4 converts float16 element by element, 4-7x slower here, which made half-precision "fold" CPU-bound
+    (measured in docs/scale.md). Same IEEE operations, so the same bits (tests/passes/test_stream_concat.py
+    compares them with numpy's for every float16 value). bfloat16 (ml_dtypes) and float32 convert fast in
+    numpy: one buffered pass, no float32 copy of the chunk.
+    """
+    scale = np.ascontiguousarray(scale, np.float32)
+    # A NaN scale times a NaN weight: x86 keeps the first operand's payload, and the operand order differs.
+    if out.dtype == np.float16 and out.size and not np.isnan(scale).any():
+        with _LOAD:  # built once, by whichever chunk builder comes first
+            session = _half_fold()
+        out[...] = session.run(None, {"w": np.ascontiguousarray(out), "g": scale})[0]
+        return
+    np.multiply(out, scale, out=out, dtype=np.float32, casting="unsafe")
+
+
+@functools.cache
+def _half_fold():
+    """A one-thread ONNX Runtime session computing float16(float32(w) * g) (g float32, broadcast)."""
+    import onnx  # only here: stream_concat itself needs neither onnx nor onnxruntime
+
+    from passes.sessions import open_session
+
+    helper, half, single = onnx.helper, onnx.TensorProto.FLOAT16, onnx.TensorProto.FLOAT
+    value = helper.make_tensor_value_info
+    matrix = [None, None]
+    graph = helper.make_graph(
+        [
+            helper.make_node("Cast", ["w"], ["w32"], to=single),
+            helper.make_node("Mul", ["w32", "g"], ["y32"]),
+            helper.make_node("Cast", ["y32"], ["y"], to=half),
+        ],
+        "half_fold",
+        [value("w", half, matrix), value("g", single, matrix)],
+        [value("y", half, matrix)],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    return open_session(model, threads=1)  # the chunk builders are the parallelism (_WORKERS threads)
 
 
 def read_rows(tensor: Source, rows: int, cols: int, start: int, stop: int) -> np.ndarray:

@@ -10,7 +10,7 @@ import onnx_ir as ir
 import pytest
 
 from passes.fuse import _pack, _unpack
-from passes.stream_concat import ConcatTensor, Part
+from passes.stream_concat import ConcatTensor, Part, scale_rows
 
 DTYPES = {"float32": ir.DataType.FLOAT, "float16": ir.DataType.FLOAT16, "bfloat16": ir.DataType.BFLOAT16}
 
@@ -126,3 +126,28 @@ def test_plain_parts_are_copied_file_to_file(tmp_path):
         file.write(b"tail")
     expected = b"head" + np.concatenate([*mats, mats[0]]).tobytes() + b"tail"
     assert (tmp_path / "out.data").read_bytes() == expected
+
+
+def test_float16_fold_equals_numpy_bit_for_bit():
+    """Every float16 bit pattern (subnormals, infinities, NaNs) times scales that round, overflow to
+    infinity and underflow to subnormals or zero: scale_rows (ONNX Runtime's casts) gives numpy's bits,
+    float16(float32(w) * float32(g)), on rows (one scale per row) and on columns, contiguous or a view."""
+    bits = np.arange(1 << 16, dtype=np.uint16).view(np.float16).reshape(256, 256)
+    specials = [1.0, 1 / 3, 1.00390625, -0.7, 0.0, -0.0, 1e-30, 3e-8, 7.3e-5, 1e5, 65504.0, np.inf, np.nan]
+    scales = np.array(specials, np.float32)
+    rng = np.random.default_rng(7)
+    no_nan = np.resize(scales[:-1], 256)
+    for scale in (np.resize(scales, 256), no_nan, rng.uniform(-3, 3, 256).astype(np.float32)):
+        for axis in (0, 1):
+            g = scale[:, None] if axis == 0 else scale[None, :]
+            with np.errstate(all="ignore"):
+                expected = (bits.astype(np.float32) * g).astype(np.float16)
+            out = bits.copy()
+            wide = np.zeros((256, 300), np.float16)  # a column slice of a wider chunk (gate/up interleave)
+            wide[:, 20:276] = bits
+            with np.errstate(all="ignore"):  # numpy's path (NaN scales) warns of inf * 0
+                scale_rows(out, g)
+                scale_rows(wide[:, 20:276], g)
+            assert out.view(np.uint16).tobytes() == expected.view(np.uint16).tobytes()
+            assert wide[:, 20:276].view(np.uint16).tobytes() == expected.view(np.uint16).tobytes()
+            assert not wide[:, :20].any() and not wide[:, 276:].any()
