@@ -244,9 +244,9 @@ def choose_norm(
     """Fuse with each norm mode into temporary files in `workdir`, compare logits with the original on
     `tokens`, and pick the mode with the lower relative error. No groups: "last", nothing measured."""
     from passes.analysis import input_feed, session
+    from passes.metrics import cosine, l2_relative_error
     from passes.model_io import load_proto
     from passes.pipeline import fuse_file
-    from passes.validate import cosine, relative_error
 
     model_path = Path(model_path)
     choice = NormChoice()
@@ -263,7 +263,7 @@ def choose_norm(
             proto = load_proto(fused)
             logits = session(proto, fused.parent).run(None, input_feed(proto, tokens))[0]
             choice.errors[mode] = {
-                "logits_rel_error": relative_error(logits, reference_logits),
+                "logits_rel_error": l2_relative_error(logits, reference_logits),
                 "logits_cosine": cosine(logits, reference_logits),
             }
             del proto

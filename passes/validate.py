@@ -24,6 +24,7 @@ from passes.blocks import Block, find_blocks, vocab_size
 from passes.errors import UserError
 from passes.fuse import PLAN_METADATA_KEY
 from passes.graph_inputs import FeedError, Signature
+from passes.metrics import cosine, l2_relative_error
 from passes.model_io import load_model, load_proto, weight_bytes
 from passes.plan import Plan, parse_plan
 from passes.reference import parallel_sum
@@ -211,7 +212,7 @@ def _check_whole_model(original, fused, pairs, mode, tokens, original_blocks) ->
     logits, streams = outputs[0], outputs[len(outputs) - len(names) :]
     report = ValidationReport("whole model")
     report.logits_rel_error, report.logits_cosine = (
-        relative_error(logits, reference_logits),
+        l2_relative_error(logits, reference_logits),
         cosine(logits, reference_logits),
     )
     for index, (group_range, group, _) in enumerate(pairs):
@@ -275,12 +276,3 @@ def _subgraph(proto: onnx.ModelProto, x_name: str, y_name: str, rank: int) -> on
 
 def _contribution_error(x: np.ndarray, fused: np.ndarray, reference: np.ndarray) -> float:
     return float(np.linalg.norm(fused - reference) / max(np.linalg.norm(reference - x), 1e-30))
-
-
-def relative_error(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.linalg.norm(a.astype(np.float64) - b) / max(np.linalg.norm(b.astype(np.float64)), 1e-30))
-
-
-def cosine(a: np.ndarray, b: np.ndarray) -> float:
-    a, b = a.astype(np.float64).reshape(-1), b.astype(np.float64).reshape(-1)
-    return float(a @ b / max(np.linalg.norm(a) * np.linalg.norm(b), 1e-30))

@@ -32,7 +32,6 @@ __all__ = [
     "run_distributed",
     "run_simulated",
     "split_rank_graph",
-    "relative_error",
 ]
 
 
@@ -356,9 +355,3 @@ def run_distributed(directory: str | Path, tokens: np.ndarray, threads: int = 1)
     outputs = program.run(_feeds(program, tokens), torch_collective(world))
     dist.barrier()
     return outputs[program.outputs[0]] if rank == 0 else None
-
-
-def relative_error(a: np.ndarray, b: np.ndarray) -> float:
-    """max |a - b| / max |b|."""
-    scale = float(np.max(np.abs(b)))
-    return float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)))) / (scale if scale else 1.0)

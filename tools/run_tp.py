@@ -60,12 +60,12 @@ def load_tokens(path: Path) -> np.ndarray:
 
 
 def _reference_error(model: Path, tokens: np.ndarray, logits: np.ndarray) -> float:
+    from passes.metrics import max_abs_relative_error
     from passes.sessions import open_session
-    from runtime.tp import relative_error
 
     session = open_session(model, threads=1)
     reference = session.run(None, {session.get_inputs()[0].name: tokens})[0]
-    return relative_error(logits, reference)
+    return max_abs_relative_error(logits, reference)
 
 
 def run_one(args: argparse.Namespace, directory: Path, tokens: np.ndarray) -> np.ndarray | None:

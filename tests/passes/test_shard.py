@@ -19,6 +19,7 @@ import onnxruntime as ort
 import pytest
 
 from passes.errors import UserError
+from passes.metrics import max_abs_relative_error
 from passes.shard import (
     COLLECTIVE_DOMAIN,
     count_allreduces,
@@ -28,26 +29,14 @@ from passes.shard import (
     shard_file,
     shard_in_memory,
 )
-from runtime.tp import relative_error, run_simulated
+from runtime.sharder_comparison import SMALL_BLOCKS, SMALL_GROUPS, TOLERANCE
+from runtime.tp import run_simulated
 from tests import decode_fixtures
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# Super-49B pattern (8 heads, 1 KV head, attention-free runs); widths 60/100/44 and the fused 212 are not
-# multiples of 8, so tp=8 pads them.
-SUPER49B_BLOCKS = [
-    (True, 112),
-    (True, 224),
-    (False, 60),
-    (False, 100),
-    (True, 224),
-    (False, 56),
-    (False, 44),
-    (False, 112),
-    (True, 224),
-]
-FUSION_GROUPS = ((1, 3), (5, 7))
-TOLERANCE = 1e-5
+# SMALL_BLOCKS: the Super-49B pattern (8 heads, 1 KV head, attention-free runs); widths 60/100/44 and the
+# fused 212 are not multiples of 8, so tp=8 pads them. SMALL_GROUPS: the fusion plan, groups (1,3), (5,7).
 
 
 @dataclass(frozen=True)
@@ -74,10 +63,10 @@ def build_models(base: Path) -> TpModels:
     if (folder / "done").exists():
         return models
     folder.mkdir(parents=True, exist_ok=True)
-    blocks = [BlockSpec(attention=a, ffn_width=w) for a, w in SUPER49B_BLOCKS]
+    blocks = [BlockSpec(attention=a, ffn_width=w) for a, w in SMALL_BLOCKS]
     spec = ModelSpec(hidden=64, heads=8, kv_heads=1, vocab=256, blocks=blocks)
     export_spec_model(spec, models.unfused, seed=1, external_data_threshold=0)
-    fuse_file(models.unfused, Plan(groups=FUSION_GROUPS), models.fused, validate_output=False)
+    fuse_file(models.unfused, Plan(groups=SMALL_GROUPS), models.fused, validate_output=False)
     scales = calibrate(models.fused, [tokens(16, seed=5)], progress=False)
     fp8 = load_model(models.fused)
     quantize_fp8(fp8, scales, quantize_lm_head=True)
@@ -170,7 +159,7 @@ def test_rank_graphs_match_single_device(
     model = getattr(models, which)
     ids = tokens()
     shard_file(model, tp, tmp_path / "out", lm_head=lm_head, progress=False)
-    error = relative_error(run_simulated(tmp_path / "out", ids), single_device(model, ids))
+    error = max_abs_relative_error(run_simulated(tmp_path / "out", ids), single_device(model, ids))
     assert error <= TOLERANCE, f"{which} tp={tp} lm_head={lm_head}: relative error {error:.2e}"
 
 
@@ -179,7 +168,7 @@ def test_gqa_split_and_replicated_kv(models: TpModels, tmp_path: Path, tp: int, 
     ids = tokens(seq=9)
     report = shard_file(models.gqa, tp, tmp_path / "out", lm_head=lm_head, progress=False)
     assert report.allgathers_per_forward == (1 if lm_head == "vocab" else 0)
-    error = relative_error(run_simulated(tmp_path / "out", ids), single_device(models.gqa, ids))
+    error = max_abs_relative_error(run_simulated(tmp_path / "out", ids), single_device(models.gqa, ids))
     assert error <= TOLERANCE, f"tp={tp} {lm_head}: relative error {error:.2e}"
 
 
@@ -388,7 +377,7 @@ def test_decode_graph_ranks_match_single_device(
     ids = tokens(8, seed=seed, vocab=96)
     got, cache = _prefill_then_decode(TpThreadsBackend(tmp_path / "out"), ids, 5)
     want, full_cache = _prefill_then_decode(OrtBackend(model, threads=1), ids, 5)
-    error = relative_error(got, want)
+    error = max_abs_relative_error(got, want)
     assert error <= TOLERANCE, f"{which} tp={tp}: relative error {error:.2e}"
     spec = decode_fixtures.tiny_spec()
     for name, merged in cache.items():  # the backend shows the ranks' heads concatenated on axis 1
@@ -396,7 +385,7 @@ def test_decode_graph_ranks_match_single_device(
         for rank in range(tp):
             first, n = kv_layout(spec.heads, spec.kv_heads, tp, rank)
             share = merged[:, rank * n : (rank + 1) * n]
-            assert relative_error(share, full_cache[name][:, first : first + n]) <= TOLERANCE, name
+            assert max_abs_relative_error(share, full_cache[name][:, first : first + n]) <= TOLERANCE, name
 
 
 def test_decode_rank_graph_interface(decode_models, tmp_path: Path) -> None:
@@ -461,7 +450,7 @@ def test_decode_batch_read_from_a_past_input(decode_models, tmp_path: Path) -> N
     ids = tokens(7, seed=9, vocab=96)
     got, _ = _prefill_then_decode(TpThreadsBackend(tmp_path / "tp2"), ids, 4)
     want, _ = _prefill_then_decode(OrtBackend(source, threads=1), ids, 4)
-    assert relative_error(got, want) <= TOLERANCE
+    assert max_abs_relative_error(got, want) <= TOLERANCE
 
 
 def test_decode_cache_roles_found_by_structure(decode_models) -> None:
@@ -488,7 +477,7 @@ def test_gqa_heads_padded_at_tp8(models: TpModels, tmp_path: Path) -> None:
     assert {(b.heads_per_rank, b.kv_heads_per_rank) for b in report.branches if b.kind == "attention"} == {
         (2, 1)
     }
-    error = relative_error(run_simulated(tmp_path / "a", ids), single_device(models.gqa, ids))
+    error = max_abs_relative_error(run_simulated(tmp_path / "a", ids), single_device(models.gqa, ids))
     assert error <= TOLERANCE, f"tp=8: relative error {error:.2e}"
 
 
