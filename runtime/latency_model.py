@@ -392,24 +392,21 @@ class ModelPrediction:
         return self.before.total_s / self.after.total_s
 
 
+def predict_spec(
+    spec: ModelSpec, hw: Hardware, blocks: Sequence[LayerShape] | None = None, **options
+) -> Breakdown:
+    """predict_decode for `spec`'s dimensions, over its blocks or `blocks` (e.g. fused); `options` are
+    predict_decode's keywords (tp, batch, context, weight_bytes, ...)."""
+    blocks = spec.blocks if blocks is None else blocks
+    return predict_decode(blocks, spec.hidden, spec.vocab, spec.heads, spec.kv_heads, hw, **options)
+
+
 def predict_model(
     spec: ModelSpec, hw: Hardware, tp: int = 8, batch: int = 1, context: int = 1024, weight_bytes: float = 1
 ) -> ModelPrediction:
-    def run(blocks: Sequence[LayerShape]) -> Breakdown:
-        return predict_decode(
-            blocks,
-            spec.hidden,
-            spec.vocab,
-            spec.heads,
-            spec.kv_heads,
-            hw,
-            tp=tp,
-            batch=batch,
-            context=context,
-            weight_bytes=weight_bytes,
-        )
-
-    return ModelPrediction(spec, run(spec.blocks), run(fuse_blocks(spec.blocks, spec.groups)))
+    options = {"tp": tp, "batch": batch, "context": context, "weight_bytes": weight_bytes}
+    fused = fuse_blocks(spec.blocks, spec.groups)
+    return ModelPrediction(spec, predict_spec(spec, hw, **options), predict_spec(spec, hw, fused, **options))
 
 
 @dataclass(frozen=True)
@@ -434,16 +431,7 @@ def calibrate(gpu: str = "h100") -> Calibration:
         hw = replace(base, bw_efficiency=eta)
         out = []
         for spec, tokens_per_s in targets:
-            b = predict_decode(
-                spec.blocks,
-                spec.hidden,
-                spec.vocab,
-                spec.heads,
-                spec.kv_heads,
-                hw,
-                batch=batch,
-                context=context,
-            )
+            b = predict_spec(spec, hw, batch=batch, context=context)
             out.append((1.0 / tokens_per_s - b.total_s) / b.n_layers)
         return out
 
@@ -489,16 +477,8 @@ def speedup_bound(gpu: str = "h100") -> SpeedupBound:
         (llama_405b(), value("paper.llama405b.tokens_per_s")),
         (ultra_253b(), value("paper.ultra253b.before.tokens_per_s")),
     ):
-        b = predict_decode(
-            spec.blocks,
-            spec.hidden,
-            spec.vocab,
-            spec.heads,
-            spec.kv_heads,
-            hw,
-            batch=int(value("calibration.batch")),
-            context=int(value("calibration.context")),
-        )
+        batch, context = int(value("calibration.batch")), int(value("calibration.context"))
+        b = predict_spec(spec, hw, batch=batch, context=context)
         rows.append([sum(x.attention for x in spec.blocks), sum(x.ffn_width > 0 for x in spec.blocks)])
         rhs.append(1.0 / tokens_per_s - b.total_s)
     a, f = np.linalg.solve(np.array(rows, dtype=float), np.array(rhs))
