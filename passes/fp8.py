@@ -16,6 +16,9 @@ without passing another MatMul) keeps its precision unless `quantize_lm_head=Tru
 Weights are streamed: the scales are computed eagerly from bands of rows read from the source file (never
 mapped whole), and the FP8 values are computed band by band again while the model is saved, so memory
 stays near one band whatever the weight size.
+
+`QuantizeFP8` is the onnx-ir pass (it chains after passes.fuse.FuseFFNGroups in one PassManager);
+`quantize_fp8` runs it on one model and returns its report.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import onnx
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-from passes.errors import UserError
+from passes.errors import PassInputError, UserError
 from passes.model_io import load_model
 from passes.sessions import ORT_DISABLED_OPTIMIZERS, open_session  # noqa: F401  (re-exported)
 from passes.stream_concat import read_columns, read_rows
@@ -547,17 +550,132 @@ class _Rewriter:
         return dequant.outputs[0]
 
 
+def _chosen(linears: list[Linear], quantize_lm_head: bool) -> list[Linear]:
+    """The linear layers to quantize: all but the lm_head, unless asked."""
+    return [linear for linear in linears if quantize_lm_head or not linear.is_lm_head]
+
+
 def _choose(linears: list[Linear], quantize_lm_head: bool, report: QuantReport) -> list[Linear]:
-    """The linear layers to quantize (all but the lm_head, unless asked); names the unnamed ones."""
-    chosen = []
+    """`_chosen`, naming the unnamed MatMuls and recording the skipped lm_head in the report."""
     for index, linear in enumerate(linears):
         if not linear.node.name:
             linear.node.name = f"MatMul_fp8_{index}"
         if linear.is_lm_head and not quantize_lm_head:
             report.skipped[linear.node.name] = "lm_head (keeps its precision; quantize_lm_head=True)"
-        else:
-            chosen.append(linear)
-    return chosen
+    return _chosen(linears, quantize_lm_head)
+
+
+_FLOAT8_TYPES = frozenset(t for t in ir.DataType if t.name.startswith("FLOAT8"))
+
+
+def _float8_value(graph: ir.Graph) -> str | None:
+    """The name of a float8 initializer or node output, if the graph has one (it is quantized already)."""
+    for value in graph.initializers.values():
+        if value.dtype in _FLOAT8_TYPES:
+            return value.name
+    for node in graph:
+        for value in node.outputs:
+            if value.dtype in _FLOAT8_TYPES:
+                return value.name
+    return None
+
+
+class QuantizeFP8(ir.passes.InPlacePass):
+    """Insert FP8 Q/DQ on the inputs of every linear layer (all but the lm_head unless asked), in place.
+
+    `act_scales` maps activation tensor names (the linear layers' A inputs) to per-tensor scales. The
+    default opset is raised to `target_opset` (float8 needs 19); unused source weights are removed.
+    `report` holds what the last call did.
+
+    requires: no float8 tensor yet (a second pass would quantize dequantized weights again), at least one
+    linear layer to quantize, and a scale for every input of one: else a PassInputError (a UserError).
+    ensures: opset >= 19, every chosen MatMul reads DequantizeLinear(QuantizeLinear(x)) and the
+    DequantizeLinear of a float8e4m3fn weight, no other float linear layer left but a kept lm_head, and no
+    node with an attribute its schema lost in the opset raise. Weights are not read, so the
+    post-conditions cost no memory (onnx's checker would materialize every FP8 weight).
+    """
+
+    def __init__(
+        self,
+        act_scales: Mapping[str, float] | ActivationScales,
+        quantize_lm_head: bool = False,
+        *,
+        target_opset: int = TARGET_OPSET,
+    ) -> None:
+        super().__init__()
+        if target_opset < MIN_FP8_OPSET:
+            raise UserError(f"FP8 Q/DQ needs opset >= {MIN_FP8_OPSET}, got target opset {target_opset}")
+        self.scales = act_scales.scales if isinstance(act_scales, ActivationScales) else dict(act_scales)
+        self.quantize_lm_head = quantize_lm_head
+        self.target_opset = target_opset
+        self.report = QuantReport()
+
+    def requires(self, model: ir.Model) -> None:
+        if (name := _float8_value(model.graph)) is not None:
+            raise PassInputError(
+                f"the model is FP8-quantized already (float8 tensor {name!r}); quantize the unquantized model"
+            )
+        chosen = _chosen(find_linears(model.graph), self.quantize_lm_head)
+        if not chosen:
+            raise PassInputError(
+                "the model has no linear layer (MatMul with a constant float weight) to quantize"
+                + ("" if self.quantize_lm_head else " but the lm_head (quantize_lm_head=True quantizes it)")
+            )
+        missing = sorted({lin.activation.name for lin in chosen if lin.activation.name not in self.scales})
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise PassInputError(
+                f"no activation scale for {len(missing)} linear input(s): {shown}; "
+                "calibrate this model (the scales file belongs to another graph)"
+            )
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        report = self.report = QuantReport()
+        chosen = _choose(find_linears(model.graph), self.quantize_lm_head, report)
+        report.opset = _raise_opset(model, self.target_opset)
+        if report.opset[0] != report.opset[1]:  # onnx's converter rebuilt the graph: find them anew
+            report.skipped.clear()
+            chosen = _choose(find_linears(model.graph), self.quantize_lm_head, report)
+        rewriter = _Rewriter(model)
+        for linear in chosen:
+            a = rewriter.activation(linear, self.scales[linear.activation.name], report)
+            b = rewriter.weight(linear, report)
+            linear.node.replace_input_with(0, a)
+            linear.node.replace_input_with(1, b)
+            report.quantized.append(linear.node.name)
+        RemoveUnusedNodesPass()(model)
+        return ir.passes.PassResult(model, modified=bool(report.quantized))
+
+    def ensures(self, model: ir.Model) -> None:
+        opset = model.opset_imports.get("", 0)
+        if opset < MIN_FP8_OPSET:
+            raise AssertionError(f"FP8 model has opset {opset}, below {MIN_FP8_OPSET}")
+        left = [lin.node.name for lin in _chosen(find_linears(model.graph), self.quantize_lm_head)]
+        if left:
+            raise AssertionError(f"{len(left)} linear layer(s) left in float: {', '.join(left[:3])}")
+        nodes = {node.name: node for node in model.graph}
+        for name in self.report.quantized:
+            if (problem := _not_quantized(nodes.get(name))) is not None:
+                raise AssertionError(f"MatMul {name!r}: {problem}")
+        if (problem := _schema_violation(model, opset)) is not None:
+            raise AssertionError(problem)
+
+
+def _not_quantized(matmul: ir.Node | None) -> str | None:
+    """Why `matmul` does not read DQ(Q(x)) and DQ(float8 weight); None when it does."""
+    if matmul is None:
+        return "gone from the graph"
+    a, b = (value.producer() if value is not None else None for value in matmul.inputs[:2])
+    if a is None or a.op_type != "DequantizeLinear" or _producer_op(a.inputs[0]) != "QuantizeLinear":
+        return "its activation is not DequantizeLinear(QuantizeLinear(x))"
+    if b is None or b.op_type != "DequantizeLinear" or b.inputs[0].dtype != ir.DataType.FLOAT8E4M3FN:
+        return "its weight is not a DequantizeLinear of a float8e4m3fn tensor"
+    return None
+
+
+def _producer_op(value: ir.Value | None) -> str | None:
+    producer = value.producer() if value is not None else None
+    return producer.op_type if producer is not None else None
 
 
 def quantize_fp8(
@@ -567,32 +685,7 @@ def quantize_fp8(
     *,
     target_opset: int = TARGET_OPSET,
 ) -> QuantReport:
-    """Insert FP8 Q/DQ on the inputs of every linear layer of `model`, in place.
-
-    `act_scales` maps activation tensor names (the linear layers' A inputs) to per-tensor scales; a
-    linear layer whose input has no scale is a UserError (calibrate the same model). Raises the default
-    opset to `target_opset` (at least 19 is needed for float8). Unused source weights are removed.
-    """
-    scales = act_scales.scales if isinstance(act_scales, ActivationScales) else dict(act_scales)
-    report = QuantReport()
-    chosen = _choose(find_linears(model.graph), quantize_lm_head, report)
-    missing = sorted({lin.activation.name for lin in chosen if lin.activation.name not in scales})
-    if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise UserError(
-            f"no activation scale for {len(missing)} linear input(s): {shown}; "
-            "calibrate this model (the scales file belongs to another graph)"
-        )
-    report.opset = _raise_opset(model, target_opset)
-    if report.opset[0] != report.opset[1]:  # onnx's converter rebuilds the graph: find them in the new one
-        report.skipped.clear()
-        chosen = _choose(find_linears(model.graph), quantize_lm_head, report)
-    rewriter = _Rewriter(model)
-    for linear in chosen:
-        a = rewriter.activation(linear, scales[linear.activation.name], report)
-        b = rewriter.weight(linear, report)
-        linear.node.replace_input_with(0, a)
-        linear.node.replace_input_with(1, b)
-        report.quantized.append(linear.node.name)
-    RemoveUnusedNodesPass()(model)
-    return report
+    """Run `QuantizeFP8` on `model` (in place) and return its report (see QuantizeFP8)."""
+    quantize = QuantizeFP8(act_scales, quantize_lm_head, target_opset=target_opset)
+    quantize(model)
+    return quantize.report

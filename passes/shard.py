@@ -25,7 +25,9 @@ source while each rank's model is saved, one tensor at a time.
 
 This module is the public API; the work is split into passes.shard_graph (roles), shard_plan (which
 heads/columns each rank keeps), shard_dims (the rank world), shard_rewrite (one rank graph),
-shard_collectives (DistCollective, counting) and shard_files (rank files, tp.json).
+shard_pass (ShardRank: that rewrite as an onnx-ir pass, rank r of N a parameter, since a PassManager
+carries one model and sharding makes N), shard_collectives (DistCollective, counting) and shard_files
+(rank files, tp.json).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from passes.shard_files import (
     summarize,
     write_manifest,
 )
+from passes.shard_pass import ShardRank
 from passes.shard_plan import VALID_TP, HeadPlan, WeightSlice, check_tp, kv_layout, plan_slices
 from passes.shard_rewrite import LM_HEAD_MODES, METADATA_KEY, RankInfo, shard_in_memory
 
@@ -57,6 +60,7 @@ __all__ = [
     "BranchSummary",
     "HeadPlan",
     "RankInfo",
+    "ShardRank",
     "ShardReport",
     "WeightSlice",
     "check_tp",

@@ -16,8 +16,9 @@ from passes.errors import UserError
 from passes.model_io import EXTERNAL_DATA_THRESHOLD, has_external_data, load_model, save_model, weight_bytes
 from passes.shard_collectives import COLLECTIVE_DOMAIN, COLLECTIVE_OP, reject_rank_graph
 from passes.shard_graph import find_structure
-from passes.shard_plan import HeadPlan, check_tp
-from passes.shard_rewrite import RankInfo, shard_in_memory
+from passes.shard_pass import ShardRank
+from passes.shard_plan import HeadPlan
+from passes.shard_rewrite import RankInfo
 
 MANIFEST = "tp.json"
 
@@ -115,8 +116,9 @@ def shard_file(
     external_data: bool | None = None,
     progress: bool = True,
 ) -> ShardReport:
-    """Write DIR/rank{r}/model.onnx (+ model.onnx.data) for every rank and DIR/tp.json."""
-    check_tp(tp)
+    """Write DIR/rank{r}/model.onnx (+ model.onnx.data) for every rank and DIR/tp.json: the source loaded
+    once per rank, rewritten by the ShardRank pass and saved before the next rank is loaded."""
+    rank_passes = [ShardRank(tp, rank, lm_head) for rank in range(tp)]  # refuses a bad tp or lm_head first
     model_path, out_dir = Path(model_path), Path(out_dir)
     if out_dir.resolve() == model_path.parent.resolve():
         raise UserError(f"--out {out_dir} is the model's own folder; choose a new folder")
@@ -129,7 +131,8 @@ def shard_file(
     bar = _progress(tp, progress)
     for rank in range(tp):
         model = load_model(model_path)
-        infos.append(shard_in_memory(model, tp, rank, lm_head))
+        rank_passes[rank](model)
+        infos.append(rank_passes[rank].info)
         path = out_dir / f"rank{rank}" / "model.onnx"
         path.parent.mkdir(parents=True, exist_ok=True)
         big = weight_bytes(model) > EXTERNAL_DATA_THRESHOLD
