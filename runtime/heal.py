@@ -305,7 +305,9 @@ class _Streams:
         self.runner, self.pair = runner, pair
         blocks = pair.original_blocks
         self.keep = {blocks[i].ffn_input.name for i, _ in pair.plan.groups}
-        self.keep |= {blocks[j].residual.output.name for _, j in pair.plan.groups}
+        # the stream leaving a group: the cut's name (a Skip*Normalization graph's last block has no
+        # named residual sum; BlockRunner names it)
+        self.keep |= {runner.cuts[j].output_name for _, j in pair.plan.groups}
         self.keep |= {blocks[i].block_input.name for i, _ in pair.plan.groups}
         self.chunks = [self._capture(t, False) for t in _split(calib)]
         self.chunks += [self._capture(t, True) for t in _split(heldout)]
@@ -475,7 +477,7 @@ def _heal_groups(pair, calib, heldout, config, result, staging, log) -> dict:
             else:
                 entering = streams.run_blocks(chunk, current[id(chunk)], position, first)
                 xs[id(chunk)] = streams.ffn_input(chunk, first, entering)
-            ys[id(chunk)] = chunk.streams[blocks[last].residual.output.name]
+            ys[id(chunk)] = chunk.streams[runner.cuts[last].output_name]
         split = {held: [c for c in streams.chunks if c.held_out == held] for held in (False, True)}
         x_cal, y_cal = (_rows([d[id(c)] for c in split[False]]) for d in (xs, ys))
         x_held, y_held = (_rows([d[id(c)] for c in split[True]]) for d in (xs, ys))
@@ -540,7 +542,7 @@ def check_written(path: Path, pair: HealPair, saved: dict, tokens: np.ndarray) -
         arrays = {k: np.load(p) for k, p in paths.items()}
         module = FusedFFN(arrays["gate"], arrays["up"], arrays["down"], arrays["norm"], block.norm.eps)
         x = captured[block.ffn_input.name]
-        y = captured[block.residual.output.name]
+        y = captured[runner.cuts[block.index].output_name]
         expected = module.apply(x)
         error = float(np.linalg.norm(y - expected) / max(np.linalg.norm(expected - x), 1e-30))
         if not error <= 1e-4:
@@ -733,9 +735,10 @@ class HealedCosts:
     ):
         self.runner = BlockRunner(model)
         self.blocks, self.mode, self.ridge, self.log = self.runner.blocks, mode, ridge, log
-        names = sorted(
-            {b.ffn_input.name for b in self.blocks} | {b.residual.output.name for b in self.blocks}
-        )
+        # The stream leaving each block, as BlockRunner's cuts name it: the last block of a
+        # Skip*Normalization graph has no named residual sum of its own (the cut names it).
+        self.outputs = [c.output_name for c in self.runner.cuts]
+        names = sorted({b.ffn_input.name for b in self.blocks} | set(self.outputs))
         self.streams = [
             (held, self.runner.capture(tokens, extra=names, only=True))
             for held, data in ((False, calib), (True, heldout))
@@ -750,7 +753,7 @@ class HealedCosts:
     def __call__(self, first: int, last: int) -> GroupCost:
         if (first, last) not in self.costs:
             start = time.perf_counter()
-            x_in, y_out = self.blocks[first].ffn_input.name, self.blocks[last].residual.output.name
+            x_in, y_out = self.blocks[first].ffn_input.name, self.outputs[last]
             (x, y), (xh, yh) = ((self._rows(x_in, h), self._rows(y_out, h)) for h in (False, True))
             module = concatenated(self.blocks[first : last + 1], self.mode)
             before = (

@@ -235,3 +235,21 @@ def test_streaming_runner_heals_the_same(folded, monkeypatch):
     for a, b in zip(plain.groups, streamed.groups, strict=True):
         assert b.heldout_after == pytest.approx(a.heldout_after, rel=1e-4)
         assert b.calib_before == pytest.approx(a.calib_before, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_heal_a_group_ending_at_the_last_block_of_a_skip_norm_graph(third_party_corpus, tmp_path):
+    """ONNX Runtime's optimizer fuses the last residual add into the final SkipSimplifiedLayerNormalization,
+    whose sum (output 3) is unnamed: the last block's stream out comes from BlockRunner's cut (issue 9).
+    The corpus entry with attention also dropped from 23-29, so that a group can end at block 29."""
+    from exporters.third_party import drop_attention
+
+    original = drop_attention(third_party_corpus["ort-optimizer"], tmp_path / "m.onnx", range(23, 30))
+    fused = fuse_file(original, Plan(((27, 29),), "last"), tmp_path / "f.onnx", validate_output=False).output
+    ids = np.random.default_rng(3).integers(0, 49152, size=(4, 16))
+    # writing the healed model also checks it (check_written reads the last block's stream out)
+    result = heal(original, fused, ids[:3], ids[3:], tmp_path / "healed.onnx", HealConfig())
+    (group,) = result.groups
+    assert group.group == (27, 29) and group.calib_after < group.calib_before, group.line()
+    cost = HealedCosts(original, ids[:3], ids[3:], mode="last")(28, 29)
+    assert cost.calib_after < cost.calib_before
