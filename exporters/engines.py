@@ -20,6 +20,7 @@ from exporters import tensorrt_engine, trt_shim
 from exporters.tensorrt_engine import EngineBuild, Profile
 from passes.errors import UserError
 from passes.fp8 import ActivationScales, calibrate, quantize_fp8, tokens_sha256
+from passes.graph_inputs import Signature
 from passes.model_io import load_model, save_model
 from passes.shard import rank_onnx_files, shard_model
 from runtime import text
@@ -69,6 +70,7 @@ def build_engines(request: EngineRequest, log: Callable[[str], None] = step) -> 
     models = resolve_models(request.models, request.tp)
     shard_later = request.tp > 1 and len(models) == 1
     if request.fp8:
+        check_fp8_source(trt, models[0], log)  # before the long steps: nothing written on refusal
         scales = activation_scales(request.calibration, models[0], len(models) == 1, log)
         scales.save(request.out / f"{artifact_stem(models[0])}_fp8_scales.json")
         models = [quantize_file(p, scales, request.out, request.quantize_lm_head, log) for p in models]
@@ -123,6 +125,22 @@ def check(request: EngineRequest, engine: Path, model: Path, log: Callable[[str]
         )
 
 
+def check_fp8_source(trt: trt_shim.Trt, model: Path, log: Callable[[str], None]) -> None:
+    """Refuse what FP8 cannot quantize or TensorRT cannot parse before calibrating: int4 MatMulNBits
+    weights (GenAI int4 exports), and ops TensorRT has no importer for (e.g. GroupQueryAttention)."""
+    import onnx
+
+    ops = {node.op_type for node in onnx.load(str(model), load_external_data=False).graph.node}
+    if "MatMulNBits" in ops:
+        raise UserError(
+            f"{model} holds int4 MatMulNBits weights: FP8 quantizes float weights only; "
+            "build from an fp32/fp16 export of the model (e.g. the GenAI builder's -p fp32)"
+        )
+    log(f"checking that TensorRT parses {model.name}")
+    logger = trt.logger(False)
+    tensorrt_engine.parse_onnx(trt, trt.module.Builder(logger.handle), model, logger)
+
+
 # ------------------------------------------------------------------------------------------- inputs
 
 
@@ -175,7 +193,7 @@ def model_vocab(model_path: Path) -> int:
 
 def calibration_batches(
     calib: Calibration, model_path: Path, log: Callable[[str], None] = step, rows_per_batch: int = 4
-) -> list[np.ndarray]:
+) -> list[np.ndarray | dict[str, np.ndarray]]:
     files = calib.files or sorted(p for p in text.LICENSES.glob("*") if p.is_file())
     if not files:
         raise UserError(f"no calibration text: {text.LICENSES} is empty; pass --calib FILES")
@@ -194,7 +212,22 @@ def calibration_batches(
                 f"calibration text gives {len(stream)} tokens, fewer than --calib-seq {calib.seq}"
             )
         ids = stream[: rows * calib.seq].reshape(rows, calib.seq)
-    return [ids[i : i + rows_per_batch] for i in range(0, len(ids), rows_per_batch)]
+    batches = [ids[i : i + rows_per_batch] for i in range(0, len(ids), rows_per_batch)]
+    return with_side_inputs(batches, model_path)
+
+
+def with_side_inputs(batches: list[np.ndarray], model_path: Path) -> list[np.ndarray | dict[str, np.ndarray]]:
+    """Id batches as they are for a graph that takes only ids; else a feed for every input from
+    passes/graph_inputs.py (an all-ones mask, positions, empty KV caches: Optimum and GenAI graphs)."""
+    signature = Signature.of(model_path)
+    if len(signature.inputs) == 1:
+        return batches
+    ids = signature.ids.name
+    return [{ids: batch, **signature.feeds(batch)} for batch in batches]  # the ids first (token counts)
+
+
+def _tokens(batch: np.ndarray | dict[str, np.ndarray]) -> int:
+    return int(next(iter(batch.values())).size if isinstance(batch, dict) else batch.size)
 
 
 def _tokenize(joined: str, tokenizer: str, vocab: int, log: Callable[[str], None]) -> np.ndarray:
@@ -248,7 +281,7 @@ def activation_scales(
             "(ONNX Runtime cannot run DistCollective); calibrate the full model first"
         )
     batches = calibration_batches(calib, model_path, log)
-    tokens = sum(b.size for b in batches)
+    tokens = sum(_tokens(b) for b in batches)
     log(f"calibrating {model_path.name} on {tokens} tokens (percentile={calib.percentile})")
     scales = calibrate(model_path, batches, percentile=calib.percentile)
     if calib.scales is not None:
