@@ -279,16 +279,19 @@ class TpThreadsBackend:
 class TpRankBackend:
     """This process's rank graph under torch.distributed (gloo); every rank runs the same loop."""
 
-    def __init__(self, directory: str | Path, rank: int, world: int, threads: int = 1) -> None:
+    def __init__(
+        self, directory: str | Path, rank: int, world: int, threads: int = 1, device: str = "cpu"
+    ) -> None:
         from passes.shard import rank_onnx_files
         from runtime.tp import RankProgram, torch_collective
 
         files = rank_onnx_files(directory)
         if len(files) != world:
             raise UserError(f"{directory} holds {len(files)} ranks; the launch has {world}")
-        self.program = RankProgram(files[rank], threads)
-        self.collective = torch_collective(world)
-        self.name = f"tp{world}-gloo"
+        # device "cuda": ONNX Runtime's CUDA provider and NCCL collectives on this process's visible GPU
+        self.program = RankProgram(files[rank], threads, providers_for(device))
+        self.collective = torch_collective(world, "cuda" if device == "cuda" else None)
+        self.name = f"tp{world}-{'nccl' if device == 'cuda' else 'gloo'}"
         self.inputs = _graph_inputs(files[rank])
         self.outputs = list(self.program.outputs)
         self.vocab = _output_vocab(files[rank])

@@ -7,12 +7,17 @@ from pathlib import Path
 MODELS = ("original", "fused")
 
 
+def machine_line(m: dict) -> str:
+    """The "Machine:" sentence every benchmark report opens with, from runtime.decode_bench.machine()."""
+    return f"Machine: {m['cpu']}, {m['cores']} cores; ONNX Runtime {m['onnxruntime']}"
+
+
 def markdown(data: dict) -> str:
-    infos, m = data["models"], data["machine"]
+    infos = data["models"]
     lines = [
         f"# Generation benchmark ({data['date']})",
         "",
-        f"Machine: {m['cpu']}, {m['cores']} cores; ONNX Runtime {m['onnxruntime']}, device {data['device']}, "
+        f"{machine_line(data['machine'])}, device {data['device']}, "
         f"TP {data['tp']}"
         + (f" ({data['tp_mode']})" if data["tp_mode"] else "")
         + f"; {data['reps']} timed repetitions after {data['warmup']} warm-up, models alternating.",

@@ -154,12 +154,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def init_gloo(rank: int, world: int, port: int) -> None:
+def init_gloo(
+    rank: int, world: int, port: int, backend: str = "gloo", timeout_s: float | None = None
+) -> None:
+    """Join a process group on 127.0.0.1:port (gloo; "nccl" on GPUs); `timeout_s` bounds every collective."""
+    from datetime import timedelta
+
     import torch.distributed as dist
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    timeout = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
+    dist.init_process_group(backend, rank=rank, world_size=world, **timeout)
 
 
 def _gloo_bench_worker(

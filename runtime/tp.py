@@ -21,7 +21,7 @@ import onnx
 
 from passes.errors import UserError
 from passes.graph_inputs import Signature
-from passes.sessions import open_session
+from passes.sessions import CPU, open_session
 from passes.shard import COLLECTIVE_OP, rank_onnx_files, read_manifest
 
 __all__ = [
@@ -230,11 +230,13 @@ CollectiveFn = Callable[[Collective, np.ndarray], np.ndarray]
 class RankProgram:
     """One rank graph as ONNX Runtime sessions, one per segment."""
 
-    def __init__(self, path: str | Path, threads: int = 1) -> None:
+    def __init__(self, path: str | Path, threads: int = 1, providers: Sequence[str] = CPU) -> None:
         self.path = Path(path)
         self.segments, self.inputs, self.outputs = split_rank_graph(self.path)
         self.sessions = [
-            None if seg.model is None else open_session(seg.model, folder=self.path.parent, threads=threads)
+            None
+            if seg.model is None
+            else open_session(seg.model, folder=self.path.parent, threads=threads, providers=providers)
             for seg in self.segments
         ]
 
@@ -307,8 +309,9 @@ def run_simulated(
     return envs[0][programs[0].outputs[0]]
 
 
-def torch_collective(world_size: int) -> CollectiveFn:
-    """Collectives through torch.distributed (the process group must be initialized)."""
+def torch_collective(world_size: int, device: str | None = None) -> CollectiveFn:
+    """Collectives through torch.distributed (the process group must be initialized); `device` "cuda"
+    moves each tensor to this process's GPU first (NCCL reduces CUDA tensors only)."""
     import torch
     import torch.distributed as dist
 
@@ -318,13 +321,15 @@ def torch_collective(world_size: int) -> CollectiveFn:
                 f"the rank graph was sharded for {collective.nb_rank} ranks, world size is {world_size}"
             )
         tensor = torch.from_numpy(np.ascontiguousarray(array))
+        if device is not None:
+            tensor = tensor.to(device)
         if collective.operation == "all_reduce":
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-            return tensor.numpy()
+            return tensor.cpu().numpy()
         if collective.operation == "all_gather":
             parts = [torch.empty_like(tensor) for _ in range(world_size)]
             dist.all_gather(parts, tensor)
-            return torch.cat(parts, dim=0).numpy()
+            return torch.cat(parts, dim=0).cpu().numpy()
         raise UserError(f"DistCollective {collective.operation!r} is not supported by the CPU runtime")
 
     return run

@@ -30,6 +30,21 @@ def tiny_spec() -> ModelSpec:
     )
 
 
+def torch_greedy(prompt: list[int], steps: int) -> list[int]:
+    """The tiny model's greedy tokens as the argmax of a full-sequence torch re-run at every step: no cache,
+    no ONNX, no server (the independent reference of tests/runtime/test_generate.py and test_serve.py)."""
+    import torch
+
+    from exporters.llama import build_model
+
+    model = build_model(tiny_spec(), TINY_SEED)
+    sequence = list(prompt)
+    with torch.no_grad():
+        for _ in range(steps):
+            sequence.append(int(model(torch.tensor([sequence]))[0, -1].argmax()))
+    return sequence[len(prompt) :]
+
+
 def decode_models(base: Path, name: str) -> Path:
     """Tiny model `name`: "decode", "prefill", "decode_fused" or "prefill_fused" (plan TINY_GROUPS, fold)."""
     from exporters.decode import export_spec_decode

@@ -4,7 +4,8 @@
 
 MODEL: an ONNX file, a folder with model.onnx + tokenizer.json (+ config.json, generation_config.json)
 as Optimum, ONNX Runtime GenAI or tools/export_model.py leave it, an engines folder from
-tools/build_engines.py, or a sharded folder from tools/shard_tp.py. Routes: /v1/models,
+tools/build_engines.py, or a sharded folder from tools/shard_tp.py (one process per rank, gloo all-reduces;
+--tp-comm nccl on GPUs). Routes: /v1/models,
 /v1/completions, /v1/chat/completions, /health, /metrics. See docs/serving.md.
 """
 
@@ -30,14 +31,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--max-context", type=int, default=None, help="prompt + generated tokens (default: config)"
     )
     p.add_argument("--device", default="cpu", help="ONNX Runtime device: cpu, cuda or auto")
-    p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
+    p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads (per TP rank)")
+    p.add_argument(
+        "--tp-comm", choices=("gloo", "nccl"), default="gloo", help="TP collectives: gloo (CPU), nccl (GPUs)"
+    )
+    p.add_argument(
+        "--rank-timeout", type=float, default=120.0, help="seconds before a silent TP rank counts as hung"
+    )
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    for flag in ("max_batch", "max_queue", "port"):
+    for flag in ("max_batch", "max_queue", "port", "rank_timeout"):
         if getattr(args, flag) < 1:
             raise UserError(f"--{flag.replace('_', '-')} must be at least 1")
     from runtime.serve.server import serve
@@ -53,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         max_context=args.max_context,
         device=args.device,
         threads=args.threads,
+        tp_comm=args.tp_comm,
+        rank_timeout_s=args.rank_timeout,
         log_level=args.log_level,
     )
     return 0

@@ -4,8 +4,10 @@
     app = app.create_app(served, max_batch=8, max_queue=64)  # FastAPI app; run it with uvicorn
 
 - loading.py: MODEL (ONNX file, export folder, engines folder, TP folder) -> ServedModel
-- batch.py: running sequences as one left-padded KV-cache batch (continuous batching at step level)
+- batch.py: running sequences as one left-padded KV-cache batch (continuous batching at step level,
+  prefill batched per step)
 - scheduler.py: the worker thread's step loop, bounded waiting queue, cancellation
+- tp_ranks.py: a TP folder served by one process per rank (gloo; NCCL on GPUs), as a batch.Runner
 - sampling.py: greedy / temperature / top_p with a per-request seeded generator
 - protocol.py: request bodies, OpenAI error JSON, incremental text with stop strings
 - app.py: the HTTP routes (FastAPI + sse-starlette); metrics.py: Prometheus metrics

@@ -22,7 +22,6 @@ from fastapi.responses import JSONResponse, Response
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from runtime.serve.batch import runner_for
 from runtime.serve.loading import ServedModel
 from runtime.serve.metrics import Metrics
 from runtime.serve.protocol import ApiError, ChatRequest, CompletionRequest, TextStream, _Generation
@@ -39,13 +38,14 @@ class GenerationFailed(Exception):
 def create_app(served: ServedModel, max_batch: int = 8, max_queue: int = 64) -> FastAPI:
     metrics = Metrics()
     max_batch = min(max_batch, served.max_batch or max_batch)  # an engine's profile may allow fewer
-    scheduler = Scheduler(runner_for(served.model, served.left_padding), max_batch, max_queue, metrics)
+    scheduler = Scheduler(served.runner(), max_batch, max_queue, metrics)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         scheduler.start()
         yield
         scheduler.stop()
+        served.close()  # a TP folder's rank processes end with the server
 
     app = FastAPI(title="ffn-fusion serve", lifespan=lifespan)
     app.state.served, app.state.scheduler, app.state.metrics = served, scheduler, metrics
@@ -54,8 +54,8 @@ def create_app(served: ServedModel, max_batch: int = 8, max_queue: int = 64) -> 
 
     @app.get("/health")
     async def health() -> Response:
-        ok = scheduler.alive
-        return JSONResponse({"status": "ok" if ok else "scheduler stopped"}, status_code=200 if ok else 503)
+        problem = scheduler.problem
+        return JSONResponse({"status": problem or "ok"}, status_code=503 if problem else 200)
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -194,6 +194,8 @@ class _Api:
 
     async def respond(self, kind: str, body: _Generation, prompt: list[int], request: Request) -> Response:
         max_tokens = self._limits(body, prompt)
+        if problem := self.scheduler.problem:
+            raise ApiError(503, f"the model is not being served: {problem}", code="model_unavailable")
         temperature = 1.0 if body.temperature is None else body.temperature
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Event] = asyncio.Queue()

@@ -12,7 +12,8 @@ with a different length, or leaves and the common left padding is trimmed). Padd
 the decode graph gives them zero attention weight and computes positions as cumsum(mask) - 1, so a row's
 logits do not depend on its neighbours (up to float summation order; greedy equality is tested).
 
-Prefill runs per sequence (batch 1) from an empty cache; its cache then joins the batch.
+Prefill: the sequences admitted in one scheduler iteration are prefilled together (`prefill_many`),
+left-padded from an empty cache like a decode batch; their caches then join the running batch.
 
 `GroupedRunner` is for graphs whose attention cannot take left padding (ONNX Runtime GenAI's
 GroupQueryAttention reads each row's length from the mask and assumes its tokens start at slot 0): every
@@ -35,9 +36,11 @@ BATCH_AXIS, SEQ_AXIS = 0, 2  # of cache tensors [batch, kv_heads, past_len, head
 
 
 class Runner(Protocol):
-    """What the scheduler drives: prefill one sequence, then decode all running ones a step at a time."""
+    """What the scheduler drives: prefill new sequences, then decode all running ones a step at a time."""
 
     def prefill(self, key: Hashable, prompt: Sequence[int]) -> np.ndarray: ...  # last logits [vocab]
+
+    def prefill_many(self, prompts: dict[Hashable, Sequence[int]]) -> dict[Hashable, np.ndarray]: ...
 
     def decode(self, tokens: dict[Hashable, int]) -> dict[Hashable, np.ndarray]: ...  # key -> [vocab]
 
@@ -73,20 +76,24 @@ class CachedRunner:
         return len(self.keys)
 
     def prefill(self, key: Hashable, prompt: Sequence[int]) -> np.ndarray:
-        ids = np.asarray([prompt], dtype=np.int64)
-        mask = np.ones_like(ids)
-        logits, cache = self.model.forward(ids, mask, self.model.empty_cache(1))
-        self._join(key, mask, cache)
-        return logits[0, -1]
+        return self.prefill_many({key: prompt})[key]
 
-    def _join(self, key: Hashable, mask: np.ndarray, cache: dict[str, np.ndarray]) -> None:
+    def prefill_many(self, prompts: dict[Hashable, Sequence[int]]) -> dict[Hashable, np.ndarray]:
+        """The new sequences as one left-padded batch from an empty cache; their rows join the batch."""
+        keys = list(prompts)
+        ids, mask = left_pad([prompts[k] for k in keys])
+        logits, cache = self.model.forward(ids, mask, self.model.empty_cache(len(keys)))
+        self._join(keys, mask, cache)
+        return {k: logits[row, -1] for row, k in enumerate(keys)}
+
+    def _join(self, keys: list[Hashable], mask: np.ndarray, cache: dict[str, np.ndarray]) -> None:
         width = max(self.mask.shape[1], mask.shape[1])
         old, new = width - self.mask.shape[1], width - mask.shape[1]
         self.mask = np.concatenate([_pad_left(self.mask, old, 1), _pad_left(mask, new, 1)])
         for name, array in cache.items():
             merged = [_pad_left(self.cache[name], old, SEQ_AXIS), _pad_left(array, new, SEQ_AXIS)]
             self.cache[name] = np.concatenate(merged, axis=BATCH_AXIS)
-        self.keys.append(key)
+        self.keys.extend(keys)
 
     def release(self, key: Hashable) -> None:
         if key not in self.keys:
@@ -125,10 +132,22 @@ class GroupedRunner:
         return len(self.caches)
 
     def prefill(self, key: Hashable, prompt: Sequence[int]) -> np.ndarray:
-        ids = np.asarray([prompt], dtype=np.int64)
-        logits, cache = self.model.forward(ids, np.ones_like(ids), self.model.empty_cache(1))
-        self.caches[key], self.lengths[key] = cache, ids.shape[1]
-        return logits[0, -1]
+        return self.prefill_many({key: prompt})[key]
+
+    def prefill_many(self, prompts: dict[Hashable, Sequence[int]]) -> dict[Hashable, np.ndarray]:
+        """One batch per distinct prompt length (no padding)."""
+        groups: dict[int, list[Hashable]] = {}
+        for key, prompt in prompts.items():
+            groups.setdefault(len(prompt), []).append(key)
+        out = {}
+        for length, keys in groups.items():
+            ids = np.asarray([prompts[k] for k in keys], dtype=np.int64)
+            logits, cache = self.model.forward(ids, np.ones_like(ids), self.model.empty_cache(len(keys)))
+            for row, key in enumerate(keys):
+                self.caches[key] = {n: a[row : row + 1] for n, a in cache.items()}
+                self.lengths[key] = length
+                out[key] = logits[row, -1]
+        return out
 
     def release(self, key: Hashable) -> None:
         self.caches.pop(key, None)
@@ -161,8 +180,12 @@ class RecomputeRunner:
         return len(self.sequences)
 
     def prefill(self, key: Hashable, prompt: Sequence[int]) -> np.ndarray:
-        self.sequences[key] = [int(t) for t in prompt]
-        return self._run([key])[key]
+        return self.prefill_many({key: prompt})[key]
+
+    def prefill_many(self, prompts: dict[Hashable, Sequence[int]]) -> dict[Hashable, np.ndarray]:
+        for key, prompt in prompts.items():
+            self.sequences[key] = [int(t) for t in prompt]
+        return self._run(list(prompts))
 
     def release(self, key: Hashable) -> None:
         self.sequences.pop(key, None)

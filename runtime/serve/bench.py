@@ -256,11 +256,13 @@ def report(targets, concurrencies, requests, max_tokens, prompt_words, rounds, s
 
 
 def markdown(data: dict) -> str:
-    s, m = data["settings"], data["machine"]
+    from runtime.bench_report import machine_line
+
+    s = data["settings"]
     lines = [
         f"# Serving benchmark ({data['date']})",
         "",
-        f"Machine: {m['cpu']}, {m['cores']} cores. {s['requests']} streamed completions per server and "
+        f"{machine_line(data['machine'])}. {s['requests']} streamed completions per server and "
         f"concurrency, {s['max_tokens']} output tokens each (ignore_eos), prompts of {s['prompt_words']} "
         f"words; servers alternating over {s['rounds']} rounds.",
         "",

@@ -2,7 +2,7 @@
 
 MODEL may be
 - an ONNX file (ONNX Runtime), a TensorRT engine file (*.engine / *.plan), or
-- a folder: a sharded TP folder (passes.shard's tp.json; ranks as threads, runtime.backends.TpThreadsBackend),
+- a folder: a sharded TP folder (passes.shard's tp.json; one process per rank, runtime.serve.tp_ranks),
   an engines folder from tools/build_engines.py (one *.engine), or an export folder holding model.onnx
   (Optimum: model.onnx or decoder_model_merged.onnx; ONNX Runtime GenAI: model.onnx + genai_config.json;
   or the folder's only .onnx file).
@@ -22,8 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from passes.errors import UserError
-from runtime.backends import Backend, OrtBackend, TpThreadsBackend, TrtBackend
+from runtime.backends import Backend, OrtBackend, TrtBackend
 from runtime.generate import DecodeModel
+from runtime.serve.batch import Runner, runner_for
+from runtime.serve.tp_ranks import TpRanks
 
 BACKENDS = ("auto", "ort", "tensorrt", "tp")
 ENGINE_SUFFIXES = (".engine", ".plan")
@@ -42,7 +44,7 @@ class ModelSource:
 @dataclass
 class ServedModel:
     id: str
-    model: DecodeModel
+    model: DecodeModel | None  # None for a TP folder: its ranks run in their own processes (`ranks`)
     tokenizer: Any
     eos_ids: frozenset[int]
     max_context: int
@@ -51,10 +53,20 @@ class ServedModel:
     max_batch: int | None = None  # a TensorRT engine's profile bounds the batch ...
     max_prompt: int | None = None  # ... and the tokens of one call (the prefill)
     left_padding: bool = True  # False: GenAI's GroupQueryAttention graphs (runtime.serve.batch.GroupedRunner)
+    ranks: TpRanks | None = None
 
     @property
     def vocab(self) -> int | None:
-        return self.model.backend.vocab
+        return self.ranks.vocab if self.ranks is not None else self.model.backend.vocab
+
+    def runner(self) -> Runner:
+        """What the scheduler drives: the rank processes of a TP folder, else a runner over the model."""
+        return self.ranks if self.ranks is not None else runner_for(self.model, self.left_padding)
+
+    def close(self) -> None:
+        """Stop the rank processes (a TP folder); nothing to do for a model in this process."""
+        if self.ranks is not None:
+            self.ranks.close()
 
 
 def resolve(target: str | Path, backend: str = "auto") -> ModelSource:
@@ -116,8 +128,6 @@ def _tp_folder(folder: Path) -> Path:
 
 
 def open_backend(source: ModelSource, device: str = "cpu", threads: int | None = None) -> Backend:
-    if source.backend == "tp":
-        return TpThreadsBackend(source.target, threads or 1)
     if source.backend == "tensorrt":
         return TrtBackend(source.target)
     return OrtBackend(source.target, device, threads)
@@ -131,11 +141,40 @@ def load(
     device: str = "cpu",
     threads: int | None = None,
     max_context: int | None = None,
+    tp_comm: str = "gloo",
+    rank_timeout_s: float = 120.0,
 ) -> ServedModel:
+    """MODEL -> ServedModel; a TP folder's rank processes start here (`ServedModel.close` stops them)."""
     source = resolve(target, backend)
+    left_padding = not (source.folder / "genai_config.json").is_file()
+    if source.backend == "tp":
+        ranks = TpRanks(
+            source.target,
+            left_padding=left_padding,
+            threads=threads or 1,
+            comm=tp_comm,
+            timeout_s=rank_timeout_s,
+        )
+        try:
+            return _served(target, name, source, None, ranks, max_context, left_padding)
+        except BaseException:
+            ranks.close()
+            raise
     model = DecodeModel(open_backend(source, device, threads))
     model.empty_cache(1)  # a cache that cannot be made (symbolic KV dims) fails now, not at the first request
-    tokenizer = load_tokenizer(source.folder, model.backend.vocab)
+    return _served(target, name, source, model, None, max_context, left_padding)
+
+
+def _served(
+    target: str | Path,
+    name: str | None,
+    source: ModelSource,
+    model: DecodeModel | None,
+    ranks: TpRanks | None,
+    max_context: int | None,
+    left_padding: bool,
+) -> ServedModel:
+    tokenizer = load_tokenizer(source.folder, ranks.vocab if ranks is not None else model.backend.vocab)
     config = _read_json(source.folder / "config.json")
     genai = _read_json(source.folder / "genai_config.json").get("model", {})
     context = int(max_context or config.get("max_position_embeddings") or genai.get("context_length") or 0)
@@ -152,7 +191,8 @@ def load(
         created=int(time.time()),
         max_batch=limits.batch,
         max_prompt=limits.seq,
-        left_padding=not (source.folder / "genai_config.json").is_file(),
+        left_padding=left_padding,
+        ranks=ranks,
     )
 
 

@@ -72,6 +72,12 @@ class Metrics:
         self.batch_size = Histogram(
             f"{PREFIX}_batch_size", "sequences per decode step", buckets=(1, 2, 4, 8, 16, 32, 64), registry=r
         )
+        self.prefill_batch_size = Histogram(
+            f"{PREFIX}_prefill_batch_size",
+            "sequences prefilled together (admitted in the same step)",
+            buckets=(1, 2, 4, 8, 16, 32, 64),
+            registry=r,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,7 +1,7 @@
 """Continuous batching at step granularity: one worker thread owns the model and runs the step loop.
 
 Every iteration (1) drops cancelled requests (a client went away, or a stop string was seen) and frees
-their rows, (2) admits waiting requests while fewer than `max_batch` run and prefills each one, (3) runs
+their rows, (2) admits waiting requests while fewer than `max_batch` run and prefills them together, (3) runs
 ONE decode step for all running sequences together (runtime.serve.batch). A request therefore joins and
 leaves the batch between any two steps. Tokens go back through each request's `emit` callback (called
 on the worker thread; the web layer hands them to its event loop).
@@ -100,6 +100,13 @@ class Scheduler:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    @property
+    def problem(self) -> str | None:
+        """None while requests can be served, else why not (/health answers 503 with it)."""
+        if not self.alive:
+            return "scheduler stopped"
+        return getattr(self.runner, "problem", None)  # e.g. a TP rank process that died
+
     # ------------------------------------------------------------------------------------ the worker
 
     def _loop(self) -> None:
@@ -114,8 +121,8 @@ class Scheduler:
                 while self.waiting and len(self.running) + len(admitted) < self.max_batch:
                     admitted.append(self.waiting.popleft())
             self._gauges()
-            for request in admitted:
-                self._prefill(request)
+            if admitted:
+                self._prefill(admitted)
             if self.running:
                 self._decode()
 
@@ -124,15 +131,20 @@ class Scheduler:
         for request in [r for r in self.running.values() if r.cancelled]:
             self._finish(request)
 
-    def _prefill(self, request: GenerationRequest) -> None:
+    def _prefill(self, requests: list[GenerationRequest]) -> None:
+        """The requests admitted together, prefilled in one call (runner.prefill_many batches them)."""
+        if self.metrics:
+            self.metrics.prefill_batch_size.observe(len(requests))
         try:
-            logits = self.runner.prefill(request.id, request.prompt)
-        except Exception as exc:  # noqa: BLE001 - the request fails, the server keeps serving
-            self.runner.release(request.id)
-            _send(request, Event("error", reason=f"prefill failed: {exc}"))
+            out = self.runner.prefill_many({r.id: r.prompt for r in requests})
+        except Exception as exc:  # noqa: BLE001 - these requests fail, the server keeps serving
+            for request in requests:
+                self.runner.release(request.id)
+                _send(request, Event("error", reason=f"prefill failed: {exc}"))
             return
-        self.running[request.id] = request
-        self._accept(request, logits)
+        for request in requests:
+            self.running[request.id] = request
+            self._accept(request, out[request.id])
 
     def _decode(self) -> None:
         batch = list(self.running.values())

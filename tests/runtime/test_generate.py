@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 import torch
 
-from exporters.llama import build_model
 from passes.errors import UserError
 from passes.sessions import providers_for
 from runtime.backends import OrtBackend, TpThreadsBackend, TrtBackend
@@ -16,19 +15,9 @@ from tests import decode_fixtures as fx
 PROMPTS = [[3, 17, 41, 8, 60, 22], [90, 5, 33]]  # different lengths: the batch is left-padded
 
 
-def rerun_greedy(prompt: list[int], steps: int) -> list[int]:
-    """argmax of a full-sequence torch re-run at every step (no cache)."""
-    model = build_model(fx.tiny_spec(), fx.TINY_SEED)
-    sequence = list(prompt)
-    with torch.no_grad():
-        for _ in range(steps):
-            sequence.append(int(model(torch.tensor([sequence]))[0, -1].argmax()))
-    return sequence[len(prompt) :]
-
-
 @pytest.fixture(scope="module")
 def expected() -> list[list[int]]:
-    return [rerun_greedy(p, 8) for p in PROMPTS]
+    return [fx.torch_greedy(p, 8) for p in PROMPTS]
 
 
 def test_greedy_with_cache_equals_argmax_of_full_rerun(tiny_models, expected):

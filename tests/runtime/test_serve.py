@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 import json
+import os
 import random
 import socket
 import subprocess
@@ -20,11 +21,13 @@ import openai
 import pytest
 import torch
 
-from exporters.llama import build_model
 from runtime.generate import DecodeModel, greedy_generate
 from runtime.serve import loading
 from runtime.serve.batch import CachedRunner, GroupedRunner, RecomputeRunner, runner_for
+from runtime.serve.metrics import Metrics
 from runtime.serve.protocol import TextStream
+from runtime.serve.sampling import Sampler
+from runtime.serve.scheduler import Event, GenerationRequest, Scheduler
 from runtime.serve.server import ServerThread
 from tests import decode_fixtures as fx
 from tests import serve_fixtures as sf
@@ -41,16 +44,6 @@ PROMPTS = [
     [30, 31, 32, 33, 34],
     [66, 77, 88],
 ]
-
-
-def torch_greedy(prompt: list[int], steps: int) -> list[int]:
-    """argmax of a full-sequence torch re-run at every step (independent of ONNX and of the server)."""
-    model = build_model(fx.tiny_spec(), fx.TINY_SEED)
-    sequence = list(prompt)
-    with torch.no_grad():
-        for _ in range(steps):
-            sequence.append(int(model(torch.tensor([sequence]))[0, -1].argmax()))
-    return sequence[len(prompt) :]
 
 
 def free_port() -> int:
@@ -111,7 +104,7 @@ def test_models_health_and_metrics(server):
 def test_greedy_equals_torch_rerun_streamed_equals_unstreamed(server):
     api = client(server)
     for prompt in PROMPTS[:3]:
-        expected = sf.words(torch_greedy(prompt, 10))
+        expected = sf.words(fx.torch_greedy(prompt, 10))
         whole = complete(api, prompt, 10)
         assert whole.choices[0].text == expected
         assert whole.choices[0].finish_reason == "length"
@@ -129,7 +122,7 @@ def test_chat_uses_the_template_and_streams_the_same(server):
     prompt = [1, 20, 21, 22, 5]  # sf.CHAT_TEMPLATE: <bos> content ... w5
     reply = api.chat.completions.create(model="tiny_decode", messages=messages, max_tokens=6, temperature=0)
     assert reply.choices[0].message.role == "assistant"
-    assert reply.choices[0].message.content == sf.words(torch_greedy(prompt, 6))
+    assert reply.choices[0].message.content == sf.words(fx.torch_greedy(prompt, 6))
     assert reply.usage.prompt_tokens == len(prompt)
     chunks = list(
         api.chat.completions.create(
@@ -156,7 +149,7 @@ def test_eight_concurrent_clients_get_what_they_get_alone(server):
         )
     assert together == alone
     assert server.app.state.scheduler.steps - steps < sum(lengths) - len(lengths)  # batched, not one by one
-    assert alone[0] == sf.words(torch_greedy(PROMPTS[0], 24))
+    assert alone[0] == sf.words(fx.torch_greedy(PROMPTS[0], 24))
 
 
 def test_seeded_sampling_is_reproducible_in_any_batch(server):
@@ -180,7 +173,7 @@ def test_seeded_sampling_is_reproducible_in_any_batch(server):
 
 def test_stop_strings_and_eos(server, tiny):
     api = client(server)
-    tokens = torch_greedy(PROMPTS[1], 10)
+    tokens = fx.torch_greedy(PROMPTS[1], 10)
     stop = f"w{tokens[3]}"
     cut = sf.words(tokens)[: sf.words(tokens).index(stop)]
     reply = complete(api, PROMPTS[1], 10, stop=[stop, "never"])
@@ -356,15 +349,20 @@ def test_bounded_load_loses_nothing(server):
 
 @pytest.mark.parametrize("runner_class", [CachedRunner, GroupedRunner])
 def test_rows_joining_and_leaving_the_batch_decode_as_alone(tmp_path_factory, runner_class):
-    """CachedRunner: sequences of different lengths join at different steps and leave early; every row's
-    greedy tokens equal its own batch-1 generation, and its logits agree closely."""
+    """Sequences of different lengths join at different steps (two at once: one batched prefill) and leave
+    early; every row's greedy tokens equal its own batch-1 generation."""
     model = DecodeModel.open(fx.decode_models(tmp_path_factory.getbasetemp(), "decode"))
     alone = {k: greedy_generate(model, [p], 12).tokens[0] for k, p in enumerate(PROMPTS[:5])}
     runner, got, nxt = runner_class(model), {}, {}
-    schedule = {0: [0, 1], 3: [2], 5: [3, 4]}  # step -> sequences joining then
+    schedule = {0: [0, 1], 3: [2], 5: [3, 4]}  # step -> sequences joining then (PROMPTS differ in length)
     for step in range(20):
-        for key in schedule.get(step, []):
-            nxt[key] = int(runner.prefill(key, PROMPTS[key]).argmax())
+        joining = {key: PROMPTS[key] for key in schedule.get(step, [])}
+        if len(joining) > 1:  # sequences that arrive together are prefilled together
+            prefilled = runner.prefill_many(joining)
+        else:
+            prefilled = {key: runner.prefill(key, prompt) for key, prompt in joining.items()}
+        for key, logits in prefilled.items():
+            nxt[key] = int(logits.argmax())
             got[key] = [nxt[key]]
         for key in [k for k in nxt if len(got[k]) == 12 or (k == 1 and len(got[k]) == 5)]:
             runner.release(key)
@@ -377,6 +375,37 @@ def test_rows_joining_and_leaving_the_batch_decode_as_alone(tmp_path_factory, ru
     assert len(runner) == 0 and (runner_class is GroupedRunner or runner.mask.shape == (0, 0))
     assert got[1] == alone[1][:5]
     assert all(got[k] == alone[k] for k in (0, 2, 3, 4))
+
+
+def test_requests_that_arrive_together_are_prefilled_together(tmp_path_factory):
+    """The scheduler admits the waiting requests of one step together and prefills them in one batch
+    (left-padded: the prompts differ in length); each request still gets what it gets alone."""
+    model = DecodeModel.open(fx.decode_models(tmp_path_factory.getbasetemp(), "decode"))
+    prompts = PROMPTS[:4]
+    alone = [greedy_generate(model, [p], 6).tokens[0] for p in prompts]
+    metrics = Metrics()
+    scheduler = Scheduler(CachedRunner(model), max_batch=8, metrics=metrics)
+    tokens: dict[int, list[int]] = {k: [] for k in range(len(prompts))}
+    events: list[tuple[int, Event]] = []  # appended on the worker thread
+
+    def emitter(k: int):
+        return lambda event: events.append((k, event))
+
+    for k, prompt in enumerate(prompts):  # all waiting before the worker starts: admitted in one step
+        scheduler.submit(GenerationRequest(prompt, 6, Sampler(0.0), emit=emitter(k)))
+    scheduler.start()
+    deadline = time.monotonic() + 60
+    while sum(e.kind == "done" for _, e in events) < len(prompts) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    scheduler.stop()
+    for k, event in events:
+        assert event.kind != "error", event.reason
+        if event.kind == "token":
+            tokens[k].append(event.token)
+    assert [tokens[k] for k in range(len(prompts))] == alone
+    rendered = metrics.render().decode()
+    assert "ffn_serve_prefill_batch_size_count 1.0" in rendered
+    assert "ffn_serve_prefill_batch_size_sum 4.0" in rendered
 
 
 def test_graph_without_cache_serves_by_recomputing(tmp_path_factory):
@@ -394,24 +423,116 @@ def test_graph_without_cache_serves_by_recomputing(tmp_path_factory):
                 PROMPTS[:3],
             )
         )
-    assert texts == [sf.words(torch_greedy(p, 6)) for p in PROMPTS[:3]]
+    assert texts == [sf.words(fx.torch_greedy(p, 6)) for p in PROMPTS[:3]]
 
 
-def test_tp_folder_serves_like_one_device(tmp_path_factory, tmp_path):
+# ------------------------------------------------------------------- tensor parallel: one process per rank
+
+
+@pytest.fixture(scope="module")
+def tp2_folder(tmp_path_factory) -> Path:
+    """The tiny decode model's folder sharded at TP 2 (rank graphs + tp.json, no tokenizer of its own)."""
     from passes.shard import shard_file
 
-    folder = sf.tiny_folder(tmp_path_factory.getbasetemp())
-    shard_file(folder / "model.onnx", 2, tmp_path / "tp2", progress=False)
-    served = loading.load(tmp_path / "tp2", backend="tp")
-    assert served.source.backend == "tp" and served.source.folder == folder  # tokenizer of the source
-    with ServerThread(served) as other:
-        text = (
-            client(other)
-            .completions.create(model="tp2", prompt=PROMPTS[0], max_tokens=6, temperature=0)
-            .choices[0]
-            .text
-        )
-    assert text == sf.words(torch_greedy(PROMPTS[0], 6))
+    base = tmp_path_factory.getbasetemp()
+    folder = base / "serve_models" / "tiny_decode_tp2"
+    if not (folder / "tp.json").is_file():
+        shard_file(sf.tiny_folder(base) / "model.onnx", 2, folder, progress=False)
+    return folder
+
+
+def start_cli(*args: str) -> tuple[subprocess.Popen, str, list[str]]:
+    """tools/serve.py as a user starts it, once /health answers 200: (process, base URL, command)."""
+    port = free_port()
+    command = [sys.executable, str(ROOT / "tools" / "serve.py"), *args, "--port", str(port)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.communicate()
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return process, url, command
+        except httpx.TransportError:
+            time.sleep(0.2)
+    process.kill()
+    raise AssertionError(f"{command} did not become healthy")
+
+
+@pytest.mark.slow
+def test_tp_rank_processes_serve_like_one_device_and_stop_with_the_server(server, tp2_folder):
+    """tools/serve.py on a TP 2 folder: two rank processes (gloo all-reduces, each holding its share of the
+    KV caches); greedy text equals the single-device ONNX Runtime server's, alone and among 8 concurrent
+    clients, streamed or not; after SIGTERM the server and every process it started are gone."""
+    import psutil
+
+    process, url, _ = start_cli(
+        str(tp2_folder), "--backend", "tp", "--model-name", "tiny_decode", "--log-level", "info"
+    )
+    try:
+        started = psutil.Process(process.pid).children(recursive=True)  # the ranks (and their forkserver)
+        assert len(started) >= 3
+        assert httpx.get(url + "/v1/models").json()["data"][0]["backend"] == "tp"
+        tp = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+        lengths = [12, 6, 15, 9, 12, 5, 14, 8]
+        jobs = list(zip(PROMPTS, lengths, strict=True))
+        one_device = [complete(client(server), p, n).choices[0].text for p, n in jobs]
+        alone = [complete(tp, p, n).choices[0].text for p, n in jobs]
+        assert alone == one_device
+        assert alone[0] == sf.words(fx.torch_greedy(PROMPTS[0], 12))
+        assert streamed(tp, PROMPTS[1], 6)[0] == alone[1]
+        steps_before = _decode_steps(url)
+        with cf.ThreadPoolExecutor(8) as pool:
+            together = list(pool.map(lambda job: complete(tp, *job).choices[0].text, jobs))
+        assert together == alone
+        assert _decode_steps(url) - steps_before < sum(lengths) - len(lengths)  # steps were shared
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+    log = process.stderr.read()  # uvicorn shuts down gracefully, then re-raises SIGTERM
+    assert process.returncode == -15 and "Application shutdown complete" in log, log
+    _, alive = psutil.wait_procs(started, timeout=20)
+    assert not alive, f"still running after shutdown: {alive}"
+
+
+def _decode_steps(url: str) -> float:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith("ffn_serve_batch_size_count"):
+            return float(line.split()[-1])
+    raise AssertionError("no ffn_serve_batch_size_count in /metrics")
+
+
+@pytest.mark.slow
+def test_a_crashed_rank_fails_its_request_and_health_not_the_server(tp2_folder):
+    """A rank that dies mid-request (SIGSTOP so that the step is surely under way, then SIGKILL): that
+    request gets a 500 error JSON, /health 503 with the reason, later requests 503; the server answers
+    on, and no rank process outlives it."""
+    import signal
+
+    served = loading.load(tp2_folder, backend="tp", name="tiny_decode")
+    assert served.source.folder == sf.tiny_folder(tp2_folder.parents[1])  # the sharded source's tokenizer
+    ranks = served.ranks
+    with ServerThread(served) as tp, cf.ThreadPoolExecutor(1) as pool:
+        api = client(tp)
+        assert complete(api, PROMPTS[2], 5).choices[0].text == sf.words(fx.torch_greedy(PROMPTS[2], 5))
+        victim = ranks.pids[1]
+        os.kill(victim, signal.SIGSTOP)
+        pending = pool.submit(complete, api, PROMPTS[0], 8)
+        deadline = time.monotonic() + 60
+        while not ranks.in_call and time.monotonic() < deadline:  # rank 0 waits in the first all-reduce
+            time.sleep(0.02)
+        assert ranks.in_call
+        os.kill(victim, signal.SIGKILL)
+        with pytest.raises(openai.InternalServerError) as failed:
+            pending.result(timeout=60)
+        assert failed.value.status_code == 500 and "rank 1 exited (signal 9)" in failed.value.message
+        health = httpx.get(tp.url + "/health")
+        assert health.status_code == 503 and "rank 1 exited" in health.json()["status"]
+        with pytest.raises(openai.APIStatusError) as refused:
+            complete(api, PROMPTS[2], 5)
+        assert refused.value.status_code == 503 and refused.value.body["code"] == "model_unavailable"
+        assert httpx.get(tp.url + "/v1/models").status_code == 200
+    assert all(not p.is_alive() for p in ranks.processes)
 
 
 def test_model_resolution(tmp_path_factory, tmp_path):
@@ -449,34 +570,13 @@ def test_model_resolution(tmp_path_factory, tmp_path):
 
 def test_serve_command_line(tmp_path_factory, tmp_path):
     folder = sf.tiny_folder(tmp_path_factory.getbasetemp())
-    port = free_port()
-    command = [
-        sys.executable,
-        str(ROOT / "tools" / "serve.py"),
-        str(folder),
-        "--port",
-        str(port),
-        "--max-batch",
-        "4",
-        "--model-name",
-        "tiny",
-        "--log-level",
-        "warning",
-    ]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process, url, command = start_cli(
+        str(folder), "--max-batch", "4", "--model-name", "tiny", "--log-level", "warning"
+    )
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert process.poll() is None, process.communicate()
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
         api = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         reply = api.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=5, temperature=0)
-        assert reply.choices[0].text == sf.words(torch_greedy(PROMPTS[2], 5))
+        assert reply.choices[0].text == sf.words(fx.torch_greedy(PROMPTS[2], 5))
         # the port is taken now: a second server says so in one line
         again = subprocess.run(command, capture_output=True, text=True, timeout=120)
         assert again.returncode == 2 and again.stderr.startswith("error: cannot listen")
