@@ -118,6 +118,7 @@ def model_info(target: str | Path) -> dict:
     all-reduces a tensor-parallel forward needs; fusing a group of k FFNs leaves 1 instead of k.
     """
     from passes.blocks import find_blocks
+    from passes.graph_inputs import Signature
     from passes.model_io import load_model
 
     path = Path(target)
@@ -134,8 +135,9 @@ def model_info(target: str | Path) -> dict:
     blocks = find_blocks(model)
     logits = next(v for v in model.graph.outputs if v.name == "logits") if model.graph.outputs else None
     vocab = logits.shape[-1] if logits is not None and logits.shape is not None else None
-    cache = [v for v in model.graph.inputs if v.name.startswith("past_")]
-    kv_bytes = sum(int(v.shape[1]) * int(v.shape[3]) * 4 for v in cache if v.shape is not None)
+    # KV heads and head dim from passes/graph_inputs.py (GenAI declares the head dim symbolic)
+    cache = Signature.of(path).cache_inputs
+    kv_bytes = sum((c.static(1) or 0) * (c.static(3) or 0) * 4 for c in cache)
     info.update(
         blocks=len(blocks),
         attention_blocks=sum(b.attention for b in blocks),
