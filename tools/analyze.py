@@ -11,6 +11,7 @@ from pathlib import Path
 
 from passes.analysis import BlockRunner, analyze, plot_dependency
 from passes.blocks import find_blocks, vocab_size
+from passes.cli import add_token_source, parse, tool_parser
 from passes.errors import UserError, run_cli
 from passes.model_io import load_model
 from passes.plan import NORM_MODES, validate_plan
@@ -35,17 +36,10 @@ is known (SmolLM2), else seeded random token ids. tools/evaluate.py uses other t
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="analyze.py",
-        description=__doc__,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = tool_parser("analyze.py", __doc__, EPILOG)
     parser.add_argument("model", type=Path, help="ONNX decoder (external data beside it is read in place)")
     parser.add_argument("--out", type=Path, required=True, metavar="DIR", help="output folder")
-    source = parser.add_mutually_exclusive_group()
-    source.add_argument("--tokens", type=Path, metavar="IDS.npy", help="calibration token ids (.npy)")
-    source.add_argument("--text", type=Path, nargs="+", metavar="FILE", help="calibration text file(s)")
+    add_token_source(parser, "calibration")
     parser.add_argument("--num-tokens", type=int, default=128, help="calibration tokens used (default 128)")
     parser.add_argument("--window", type=int, default=128, help="tokens per sequence (default 128)")
     parser.add_argument("--max-group", type=int, help="most blocks in one group")
@@ -85,11 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="with --heal: calibration tokens for the healed costs, 3/4 fitted, 1/4 held out (default 2048)",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
-    args = parser.parse_args(argv)
-    for name in ("num_tokens", "window", "heal_tokens"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    return args
+    return parse(parser, argv, "num_tokens", "window", "heal_tokens")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from passes.blocks import find_blocks, vocab_size
+from passes.cli import add_token_source, parse, tool_parser
 from passes.errors import UserError, run_cli
 from passes.model_io import load_model
 from runtime.evaluate import evaluate, format_table
@@ -27,27 +28,16 @@ of analyze.py (Apache-2.0) is not among them.
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="evaluate.py",
-        description=__doc__,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = tool_parser("evaluate.py", __doc__, EPILOG)
     parser.add_argument("original", type=Path, help="the original ONNX model")
     parser.add_argument("fused", type=Path, help="the model to compare with it (e.g. model.fused.onnx)")
-    source = parser.add_mutually_exclusive_group()
-    source.add_argument("--text", type=Path, nargs="+", metavar="FILE", help="evaluation text file(s)")
-    source.add_argument("--tokens", type=Path, metavar="IDS.npy", help="evaluation token ids (.npy)")
+    add_token_source(parser, "evaluation", text_first=True)
     parser.add_argument("--max-tokens", type=int, default=4096, help="tokens per text set (default 4096)")
     parser.add_argument("--window", type=int, default=128, help="tokens per window (default 128)")
     parser.add_argument("--batch", type=int, default=4, help="windows per ONNX Runtime call (default 4)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
-    args = parser.parse_args(argv)
-    for name in ("max_tokens", "window", "batch"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    return args
+    return parse(parser, argv, "max_tokens", "window", "batch")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from passes.blocks import find_blocks
+from passes.cli import tool_parser
 from passes.display import format_block_table
 from passes.errors import UserError, run_cli
 from passes.model_io import load_model
@@ -28,12 +29,7 @@ plan.json: {"groups": [[13, 17], [18, 21]], "norm": "last"}   (block indices, in
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="fuse_onnx.py",
-        description=__doc__,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = tool_parser("fuse_onnx.py", __doc__, EPILOG)
     parser.add_argument("model", type=Path, help="ONNX model (external data beside it is read in place)")
     parser.add_argument(
         "plan", type=Path, nargs="?", help="plan.json with the groups to fuse (--verify: the fused model)"

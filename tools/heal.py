@@ -7,6 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
+from passes.cli import add_options, parse, tool_parser
 from passes.errors import run_cli
 from runtime.heal import HEAL_DEFAULTS, INPUT_MODES, LOSSES, HealConfig, run_heal
 
@@ -23,63 +24,69 @@ held-out errors and the whole-model quality (perplexity, top-1 agreement, KL) us
 """
 
 
+def options() -> list[tuple[str, dict]]:
+    """Every option but the paths, in --help order: (flag, add_argument settings)."""
+    files = {"type": Path, "nargs": "+", "metavar": "FILE"}
+    return [
+        ("--calib", {**files, "help": "calibration text files or one ids .npy"}),
+        ("--heldout", {**files, "help": "held-out text files or one ids .npy"}),
+        ("--tokens", {"type": int, "default": HEAL_DEFAULTS.tokens, "help": "calibration tokens used"}),
+        ("--steps", {"type": int, "default": HealConfig.steps, "help": "Adam steps per group"}),
+        ("--lr", {"type": float, "default": HealConfig.lr, "help": "peak learning rate (cosine decay)"}),
+        (
+            "--ridge",
+            {
+                "type": float,
+                "default": HealConfig.ridge,
+                "help": "closed-form down-projection refit after Adam, regularization (0: none)",
+            },
+        ),
+        ("--batch-tokens", {"type": int, "default": HealConfig.batch_tokens, "help": "tokens per step"}),
+        (
+            "--inputs",
+            {
+                "choices": INPUT_MODES,
+                "default": HealConfig.inputs,
+                "help": "group inputs from the model healed so far (default) or from the original",
+            },
+        ),
+        (
+            "--loss",
+            {
+                "choices": LOSSES,
+                "default": HealConfig.loss,
+                "help": "mse: squared error over all tokens (default); token: per-token normalized",
+            },
+        ),
+        (
+            "--heldout-tokens",
+            {
+                "type": int,
+                "default": HEAL_DEFAULTS.heldout_tokens,
+                "help": "held-out tokens per text set for the per-group errors",
+            },
+        ),
+        (
+            "--eval-tokens",
+            {
+                "type": int,
+                "default": HEAL_DEFAULTS.eval_tokens,
+                "help": "held-out tokens per text set for the whole-model quality (0: skip it)",
+            },
+        ),
+        ("--window", {"type": int, "default": HEAL_DEFAULTS.window, "help": "tokens per window"}),
+        ("--json", {"action": "store_true", "help": "print the report as JSON"}),
+        ("--quiet", {"action": "store_true", "help": "no progress messages"}),
+    ]
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="heal.py",
-        description=__doc__,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = tool_parser("heal.py", __doc__, EPILOG)
     parser.add_argument("original", type=Path, help="the original ONNX model (before fusion)")
     parser.add_argument("fused", type=Path, help="the fused model (fuse_onnx.py output)")
     parser.add_argument("-o", "--output", type=Path, required=True, help="the healed model to write")
-    parser.add_argument(
-        "--calib", type=Path, nargs="+", metavar="FILE", help="calibration text files or one ids .npy"
-    )
-    parser.add_argument(
-        "--heldout", type=Path, nargs="+", metavar="FILE", help="held-out text files or one ids .npy"
-    )
-    parser.add_argument("--tokens", type=int, default=HEAL_DEFAULTS.tokens, help="calibration tokens used")
-    parser.add_argument("--steps", type=int, default=HealConfig.steps, help="Adam steps per group")
-    parser.add_argument("--lr", type=float, default=HealConfig.lr, help="peak learning rate (cosine decay)")
-    parser.add_argument(
-        "--ridge",
-        type=float,
-        default=HealConfig.ridge,
-        help="closed-form down-projection refit after Adam, regularization (0: none)",
-    )
-    parser.add_argument("--batch-tokens", type=int, default=HealConfig.batch_tokens, help="tokens per step")
-    parser.add_argument(
-        "--inputs",
-        choices=INPUT_MODES,
-        default=HealConfig.inputs,
-        help="group inputs from the model healed so far (default) or from the original",
-    )
-    parser.add_argument(
-        "--loss",
-        choices=LOSSES,
-        default=HealConfig.loss,
-        help="mse: squared error over all tokens (default); token: per-token normalized",
-    )
-    parser.add_argument(
-        "--heldout-tokens",
-        type=int,
-        default=HEAL_DEFAULTS.heldout_tokens,
-        help="held-out tokens per text set for the per-group errors",
-    )
-    parser.add_argument(
-        "--eval-tokens",
-        type=int,
-        default=HEAL_DEFAULTS.eval_tokens,
-        help="held-out tokens per text set for the whole-model quality (0: skip it)",
-    )
-    parser.add_argument("--window", type=int, default=HEAL_DEFAULTS.window, help="tokens per window")
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    parser.add_argument("--quiet", action="store_true", help="no progress messages")
-    args = parser.parse_args(argv)
-    for name in ("tokens", "window", "heldout_tokens", "batch_tokens"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    add_options(parser, options())
+    args = parse(parser, argv, "tokens", "window", "heldout_tokens", "batch_tokens")
     if args.steps < 0 or args.eval_tokens < 0 or not args.lr > 0:
         parser.error("--steps and --eval-tokens must be >= 0, --lr > 0")
     return args

@@ -17,13 +17,12 @@ import json
 import sys
 from pathlib import Path
 
+from passes.cli import tool_parser
 from passes.errors import UserError, run_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = tool_parser("shard_tp.py", __doc__)
     parser.add_argument("models", nargs="+", type=Path, help="ONNX model(s); one unless --count")
     parser.add_argument("--tp", type=int, help="number of ranks: 1, 2, 4 or 8")
     parser.add_argument("--out", type=Path, help="output folder for the rank graphs and tp.json")
