@@ -100,7 +100,7 @@ class ResidualBranch:
         return end_projection(self.output)
 
     def describe(self) -> str:
-        layer = _layer_name(self.projection or self.output.producer())
+        layer = layer_name(self.projection or self.output.producer())
         return f"residual branch {self.index} [{self.kind}]" + (f" ({layer})" if layer else "")
 
 
@@ -253,7 +253,7 @@ def _block(index: int, ffn: ResidualBranch, before: list[ResidualBranch]) -> Blo
     barrier = next((_barrier(b) for b in before if b.kind in ("linear", "other")), None)
     block_input = before[0].stream if before else ffn.stream
     attention = any(b.kind == "attention" for b in before)
-    name = _layer_name(ffn.ffn.output.producer())
+    name = layer_name(ffn.ffn.output.producer())
     return Block(index, attention, block_input, ffn.norm, ffn.ffn, ffn.residual, name, barrier)
 
 
@@ -431,7 +431,7 @@ def _logits_vocab(signature: Signature) -> int | None:
 _LAYER = re.compile(r"((?:model[./])?(?:layers|h|blocks)\.\d+)")
 
 
-def _layer_name(node: ir.Node | None) -> str | None:
+def layer_name(node: ir.Node | None) -> str | None:
     """The source layer, from the dynamo exporter's name scopes or else the node name (Optimum, GenAI:
     /model/layers.N/...); display only, names are not reliable."""
     if node is None:

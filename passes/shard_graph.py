@@ -1,15 +1,15 @@
 """Tensor-parallel roles of a Llama-family graph, recognized by structure (passes.shard uses them).
 
-The residual stream is followed from the token embedding (passes.model_map.find_embedding) through its
-Cast/Identity copies (passes.model_map.aliases): every Add(stream, branch), or ORT's
-SkipSimplifiedLayerNormalization (input 1 the branch, output 3 the new stream, output 0 what the next
-branch reads), whose branch ends in a linear layer closes one residual branch. Unlike the model map this
-walk accepts any branch that ends in a linear layer (FP8 Q/DQ and biased FFNs included), since each
-needs its all-reduce. In a branch, the first linear layers (those reading the normalized stream, not the
-output of another linear layer) are column-parallel, the last one is row-parallel and gets the
-all-reduce. An attention branch's q/k/v (or packed qkv), heads, KV heads and caches come from the
-attention recognizer (passes.patterns.attention); anything else is an FFN (SwiGLU, or any branch of
-equal-width column layers), including a fused wide FFN."""
+The residual branches come from the model map's stream walk (passes.model_map.walk_stream: every branch
+in stream order, with its kind and its body from passes.patterns.attention.branch_nodes); this module
+only gives each branch its parallel roles. In a branch, the first linear layers (those reading the
+normalized stream, not the output of another linear layer) are column-parallel, the last one is
+row-parallel and gets the all-reduce. An attention branch's q/k/v (or packed qkv), heads, KV heads and
+caches come from the attention recognizer (passes.patterns.attention). A "linear" branch (one projection,
+e.g. a Nemotron-NAS replace_with_linear attention or FFN) is row-parallel alone: each rank multiplies its
+share of the replicated input's features by its rows of the weight, and the all-reduce sums the shares.
+Anything else is an FFN (SwiGLU, or any branch of equal-width column layers: FP8 Q/DQ, a fused wide FFN).
+"""
 
 from __future__ import annotations
 
@@ -19,14 +19,12 @@ import onnx_ir as ir
 
 from passes.errors import UserError
 from passes.graph import NoMatch
-from passes.model_map import aliases, find_embedding
-from passes.patterns.attention import Attention, branch_nodes, match_attention
+from passes.model_map import ResidualBranch, find_embedding, layer_name, walk_stream
+from passes.patterns.attention import Attention, before_projection, end_projection, match_attention
 from passes.shapes import World
 
 WEIGHT_CHAIN_OPS = ("Transpose", "Cast", "Identity", "DequantizeLinear")
 LINEAR_OPS = ("MatMul", "Gemm")
-# ORT's fused residual add + norm: input 0 the stream, input 1 the branch; output 0 normalized, 3 the sum
-SKIP_NORMS = ("SkipSimplifiedLayerNormalization", "SkipLayerNormalization")
 FUSED_ATTENTION_OPS = {"Attention", "MultiHeadAttention", "GroupQueryAttention", "AttentionPlugin"}
 
 
@@ -147,7 +145,7 @@ class Branch:
     """One residual branch: stream -> norm -> column layers -> ... -> row layer -> Add(stream, .)."""
 
     index: int
-    kind: str  # "attention" or "ffn"
+    kind: str  # "attention", "ffn" or "linear" (one row-parallel projection, no columns)
     stream: ir.Value
     residual: ir.Node
     row: WeightRef
@@ -172,7 +170,7 @@ class Branch:
     width: int = 0
 
     def describe(self) -> str:
-        layer = _layer_name(self.row.node)
+        layer = layer_name(self.row.node)
         where = f" ({layer})" if layer else ""
         return f"residual branch {self.index} [{self.kind}]{where}"
 
@@ -196,42 +194,36 @@ class TpStructure:
 
 
 def find_structure(model: ir.Model, world: World | None = None) -> TpStructure:
-    """Walk the residual stream; UserError when the graph is not a decoder the pass can shard."""
+    """The parallel roles of every residual branch (from the model map's stream walk); UserError when the
+    graph is not a decoder the pass can shard."""
     graph = model.graph
     _refuse_block_quantized(graph)
-    world = world if world is not None else World(graph).run()
     order = {node: i for i, node in enumerate(graph)}
     embedding = find_embedding(graph)
     if embedding is None:
         raise UserError("no token embedding found: expected Gather(embedding weight, input_ids)")
-    stream = embedding.output
-    branches: list[Branch] = []
-    normalized: ir.Value | None = None  # after a Skip*Normalization, the branch reads its output 0
-    while stream is not None and (found := _residual(stream)) is not None:
-        residual, branch_value, read = found
-        branches.append(_branch(len(branches), normalized or read, residual, branch_value, order, world))
-        if residual.op_type in SKIP_NORMS:
-            normalized = residual.outputs[0]
-            out = residual.outputs[3] if len(residual.outputs) > 3 else None
-            stream = out if out is not None and out.uses() else None
-        else:
-            normalized, stream = None, residual.outputs[0]
-    if stream is None:
-        stream = normalized
-    if not branches:
+    stream = walk_stream(model)
+    if not stream.branches:
         raise UserError(
             "no residual branches found after the token embedding (expected Add(stream, MatMul(...)))"
         )
-    assert stream is not None
-    head, after = _lm_head(graph, stream)
+    branches = [_branch(b, order) for b in stream.branches]
+    end = _stream_end(stream.branches[-1])
+    head, after = _lm_head(graph, end)
     if len(after) > 1:
         names = ", ".join(repr(n.name) for n in after[:3])
         raise UserError(
-            f"the residual stream walk stopped at {stream.name!r} after {len(branches)} branches, but "
-            f"more linear layers follow ({names}); a branch there does not end in a linear layer "
-            "added to the stream"
+            f"the residual stream walk stopped at {end.name!r} after {len(branches)} branches, but more "
+            f"linear layers follow ({names}); a branch there does not end in a linear layer added to the "
+            "stream"
         )
     return TpStructure(embedding.node, branches, head)
+
+
+def _stream_end(last: ResidualBranch) -> ir.Value:
+    """The stream after the last branch (a final Skip*Normalization: its normalized output)."""
+    out = last.residual.output
+    return out if out is not None and out.uses() else last.residual.node.outputs[0]
 
 
 def _refuse_block_quantized(graph: ir.Graph) -> None:
@@ -252,49 +244,15 @@ def _refuse_block_quantized(graph: ir.Graph) -> None:
             )
 
 
-def _linear_end(value: ir.Value | None) -> ir.Node | None:
-    """The linear layer that produces `value` (looking through Cast/Identity and a constant bias Add: the
-    all-reduce goes right after the MatMul, so the bias is added once, after it)."""
-    node = value.producer() if value is not None else None
-    while node is not None and node.op_type in ("Cast", "Identity", "Add"):
-        if node.op_type == "Add":
-            constant = [i for i, v in enumerate(node.inputs[:2]) if constant_tensor(v) is not None]
-            if len(constant) != 1:
-                return None
-            data = node.inputs[1 - constant[0]]
-        else:
-            data = node.inputs[0]
-        node = data.producer() if data is not None else None
-    if node is not None and weight_ref(node) is not None:
-        return node
-    return None
-
-
-def _residual(stream: ir.Value) -> tuple[ir.Node, ir.Value, ir.Value] | None:
-    """The residual Add on the stream, its branch value, and the stream copy the branch reads."""
-    found = []
-    for alias in aliases(stream):
-        for use in alias.uses():
-            node = use.node
-            residual = node.op_type == "Add" and len(node.inputs) == 2
-            if (residual or node.op_type in SKIP_NORMS) and use.idx in (0, 1):
-                other = node.inputs[1 - use.idx]
-                if other is not alias and _linear_end(other) is not None:
-                    found.append((node, other, alias))
-    if len(found) > 1:
-        names = ", ".join(repr(n.name) for n, _, _ in found)
-        raise UserError(f"the residual stream {stream.name!r} feeds several residual adds ({names})")
-    return found[0] if found else None
-
-
-def _branch(
-    index: int, stream: ir.Value, residual: ir.Node, value: ir.Value, order: dict[ir.Node, int], world: World
-) -> Branch:
-    row_node = _linear_end(value)
-    assert row_node is not None
-    row = weight_ref(row_node)
-    assert row is not None
-    nodes = branch_nodes(row_node.inputs[0], stream)
+def _branch(source: ResidualBranch, order: dict[ir.Node, int]) -> Branch:
+    index, stream, residual = source.index, source.start, source.residual.node
+    row_node = end_projection(source.output, set(source.nodes))
+    row = weight_ref(row_node) if row_node is not None else None
+    if row is None:
+        raise UserError(
+            f"residual branch {index} does not end in a linear layer with a constant weight; cannot shard it"
+        )
+    nodes = before_projection(set(source.nodes), row_node)
     if not any(v is stream or (v is not None and v.producer() in nodes) for v in row_node.inputs[:1]):
         raise UserError(f"residual branch {index}: its last projection does not depend on the stream")
     inputs = {v for n in nodes for v in n.inputs if v is not None and v.is_graph_input()}
@@ -329,13 +287,15 @@ def _branch(
             f"residual branch {index}: Gemm {biased[0].name!r} has a bias, which sharding does not "
             "handle yet (export the projection as MatMul [+ Add])"
         )
+    if source.kind == "linear":
+        return _linear_branch(index, stream, residual, row, nodes, caches)
     if not columns:
         raise UserError(f"residual branch {index}: no column projections found before {row_node.name!r}")
     branch = Branch(index, "ffn", stream, residual, row, columns, nodes)  # type: ignore[arg-type]
     branch.caches = caches
-    if any(n.op_type == "Softmax" or n.op_type in FUSED_ATTENTION_OPS for n in nodes):
+    if source.kind == "attention":
         branch.kind = "attention"
-        _attention_roles(branch, value)
+        _attention_roles(branch, source.output)
     else:
         if caches:
             raise UserError(
@@ -351,6 +311,16 @@ def _branch(
                 f"{branch.describe()}: last projection has {branch.row.matrix_shape()[0]} inputs, "
                 f"the first ones {branch.width} outputs"
             )
+    return branch
+
+
+def _linear_branch(
+    index: int, stream: ir.Value, residual: ir.Node, row: WeightRef, nodes: set[ir.Node], caches: list
+) -> Branch:
+    """A one-projection branch: row-parallel over its input features (`width`), no column layers."""
+    branch = Branch(index, "linear", stream, residual, row, [], nodes, width=row.matrix_shape()[0])
+    if caches:
+        raise UserError(f"{branch.describe()}: reads the cache input {caches[0].past.name!r}; cannot shard")
     return branch
 
 
@@ -455,19 +425,3 @@ def _reaches(value: ir.Value, outputs: set[ir.Value]) -> bool:
         for use in v.uses():
             stack.extend(use.node.outputs)
     return False
-
-
-def _layer_name(node: ir.Node) -> str | None:
-    import ast
-    import re
-
-    scopes = node.metadata_props.get("pkg.torch.onnx.name_scopes")
-    if not scopes:
-        return None
-    try:
-        for scope in reversed(ast.literal_eval(scopes)):
-            if match := re.search(r"((?:model\.)?(?:layers|h|blocks)\.\d+)", scope):
-                return match.group(1)
-    except (ValueError, SyntaxError):
-        return None
-    return None

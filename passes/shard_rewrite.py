@@ -20,7 +20,7 @@ from passes.errors import UserError
 from passes.shapes import Dim, Info, World, dims_to_ir
 from passes.shard_collectives import COLLECTIVE_DOMAIN, gather_logits, insert_collective, reject_rank_graph
 from passes.shard_dims import HeadMap, RankWorld, ShapeRewrite
-from passes.shard_graph import TpStructure, constant_tensor, find_structure
+from passes.shard_graph import Branch, TpStructure, constant_tensor, find_structure
 from passes.shard_plan import PAD, HeadPlan, WeightSlice, check_tp, plan_slices, sliced_shape
 from passes.shard_types import walk_type
 
@@ -61,7 +61,8 @@ def shard_in_memory(model: ir.Model, tp: int, rank: int, lm_head: str = "replica
     for s in slices:
         if s.axis == 1:
             rewriter.slice_bias(s)  # before the rank world runs: it reads the new bias shapes
-    rank_world = _rank_world(structure, world, slices, tp, lm_head)
+    inputs = dict(rewriter.split_features(b, world) for b in structure.branches if b.kind == "linear")
+    rank_world = _rank_world(structure, world, slices, tp, lm_head, inputs)
     for s in slices:
         rewriter.slice_weight(s)
     for rw in rank_world.rewrites:
@@ -82,9 +83,14 @@ def shard_in_memory(model: ir.Model, tp: int, rank: int, lm_head: str = "replica
 
 
 def _rank_world(
-    structure: TpStructure, world: World, slices: list[WeightSlice], tp: int, lm_head: str
+    structure: TpStructure,
+    world: World,
+    slices: list[WeightSlice],
+    tp: int,
+    lm_head: str,
+    inputs: dict[ir.Value, Info],
 ) -> RankWorld:
-    seeds: dict[ir.Value, Info] = {}
+    seeds: dict[ir.Value, Info] = dict(inputs)  # the per-rank inputs of one-Linear branches
     for s in slices:
         if len(s.ref.value.uses()) != 1:
             raise UserError(
@@ -137,6 +143,29 @@ class _Rewriter:
         self.tp, self.rank = tp, rank
         self.shape_consts: dict[tuple[int, ...], ir.Value] = {}
         self.concats: dict[tuple[int, tuple[int | None, ...]], ir.Value] = {}
+
+    # one-Linear branches -------------------------------------------------------------------------
+
+    def split_features(self, branch: Branch, world: World) -> tuple[ir.Value, Info]:
+        """A one-Linear branch is row-parallel on a replicated input: before its projection, this rank
+        gathers its share of the input features (a padding feature reads feature 0, which meets a zero
+        weight row), so the all-reduce of the partial products is the full product. Returns the gathered
+        value and its rank shape."""
+        node, per = branch.row.node, math.ceil(branch.width / self.tp)
+        x = node.inputs[0]
+        full = world.get(x).shape
+        if branch.row.nbits or full is None or not full:
+            raise UserError(f"{branch.describe()}: a one-Linear branch on {node.op_type} with input shape "
+                            f"{full}; cannot shard it row-parallel")
+        features = [i if i < branch.width else 0 for i in range(self.rank * per, (self.rank + 1) * per)]
+        name = f"{node.name or 'linear'}_tp_features"
+        indices = self._initializer(f"{name}.tp{self.tp}_rank{self.rank}", ir.tensor(np.array(features)))
+        out = ir.Value(name=f"{name}_rank{self.rank}", type=x.type)
+        gather = ir.Node("", "Gather", [x, indices], attributes=[ir.AttrInt64("axis", -1)], outputs=[out],
+                         name=f"{name}_rank{self.rank}")
+        self.graph.insert_before(node, gather)
+        node.replace_input_with(0, out)
+        return out, Info((*full[:-1], Dim(per)))
 
     # weights ------------------------------------------------------------------------------------
 

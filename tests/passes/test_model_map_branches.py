@@ -84,3 +84,31 @@ def test_cli_refuses_a_group_across_a_linear_branch(tool, linear_nemotron, tmp_p
 
 def _tokens(seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, VOCAB, size=(2, 9)).astype(np.int64)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_linear_branch_shards_row_parallel(linear_nemotron, tmp_path, tp) -> None:
+    """A one-Linear branch (attention and FFN replace_with_linear) shards row-parallel: each rank gathers
+    its share of the replicated input features and multiplies by its rows; the all-reduce sums them."""
+    import onnx
+
+    from passes.metrics import max_abs_relative_error
+    from passes.sessions import open_session
+    from passes.shard import shard_file
+    from passes.shard_graph import find_structure
+    from runtime.tp import run_simulated
+
+    source = linear_nemotron[1]
+    structure = find_structure(load_model(source))
+    assert [b.kind for b in structure.branches] == KINDS
+    linear = [b for b in structure.branches if b.kind == "linear"]
+    assert [b.width for b in linear] == [64, 64] and all(not b.columns for b in linear)
+
+    shard_file(source, tp, tmp_path / "tp", progress=False)
+    rank0 = onnx.load(str(tmp_path / "tp" / "rank0" / "model.onnx"), load_external_data=False)
+    names = {b.row.source.name for b in linear}
+    shapes = [list(t.dims) for t in rank0.graph.initializer if t.name in names]
+    assert sorted(shapes) == [[64, 64 // tp]] * 2  # stored [out, in] (Transpose): its input rows split
+    ids = _tokens()
+    expected = open_session(source, threads=1).run(None, {"input_ids": ids})[0]
+    assert max_abs_relative_error(run_simulated(tmp_path / "tp", ids), expected) <= 1e-5
