@@ -178,13 +178,36 @@ def compare(
 
 def build_models(work: Path, big_hidden: int) -> dict[str, Path]:
     from exporters.onnx_export import export_spec_model
-    from exporters.spec import BlockSpec, ModelSpec, super49b_spec
+    from exporters.spec import ModelSpec, super49b_spec
+    from passes.pipeline import fuse_file
+    from passes.plan import Plan
+
+    models = work / "models"
+    paths = small_models(models, np.random.default_rng(5).integers(0, 256, (2, 16)))
+    if big_hidden:
+        big, fused = models / f"big{big_hidden}.onnx", models / f"big{big_hidden}.fused.onnx"
+        if not fused.exists():
+            full = super49b_spec(hidden=big_hidden, heads=8, kv_heads=2, vocab=32000)
+            spec = ModelSpec(
+                hidden=big_hidden, heads=8, kv_heads=2, vocab=32000, blocks=[full.blocks[i] for i in BIG_PICK]
+            )
+            export_spec_model(spec, big, seed=3, external_data_threshold=0)
+            fuse_file(big, Plan(groups=BIG_GROUPS), fused, validate_output=False)
+        paths["big-fused"] = fused
+    return paths
+
+
+def small_models(models: Path, calibration_ids: np.ndarray) -> dict[str, Path]:
+    """The small TP models in `models` (each built unless there): m49 (SMALL_BLOCKS), m49-fused
+    (SMALL_GROUPS), m49-fp8 (its FP8 Q/DQ, lm_head too, calibrated on `calibration_ids`) and gqa (12 heads,
+    2 KV heads, vocab 250, untied lm_head). tests/passes/test_shard.py shards the same models."""
+    from exporters.onnx_export import export_spec_model
+    from exporters.spec import BlockSpec, ModelSpec
     from passes.fp8 import calibrate, quantize_fp8
     from passes.model_io import load_model, save_model
     from passes.pipeline import fuse_file
     from passes.plan import Plan
 
-    models = work / "models"
     models.mkdir(parents=True, exist_ok=True)
     paths = {
         "m49": models / "m49.onnx",
@@ -200,9 +223,9 @@ def build_models(work: Path, big_hidden: int) -> dict[str, Path]:
     if not paths["m49-fused"].exists():
         fuse_file(paths["m49"], Plan(groups=SMALL_GROUPS), paths["m49-fused"], validate_output=False)
     if not paths["m49-fp8"].exists():
-        ids = np.random.default_rng(5).integers(0, 256, (2, 16))
         fp8 = load_model(paths["m49-fused"])
-        quantize_fp8(fp8, calibrate(paths["m49-fused"], [ids], progress=False), quantize_lm_head=True)
+        scales = calibrate(paths["m49-fused"], [calibration_ids], progress=False)
+        quantize_fp8(fp8, scales, quantize_lm_head=True)
         save_model(fp8, paths["m49-fp8"], True)
     if not paths["gqa"].exists():
         gqa = ModelSpec(
@@ -214,16 +237,6 @@ def build_models(work: Path, big_hidden: int) -> dict[str, Path]:
             blocks=[BlockSpec(True, 40), BlockSpec(False, 36), BlockSpec(True, 48)],
         )
         export_spec_model(gqa, paths["gqa"], seed=2, external_data_threshold=0)
-    if big_hidden:
-        big, fused = models / f"big{big_hidden}.onnx", models / f"big{big_hidden}.fused.onnx"
-        if not fused.exists():
-            full = super49b_spec(hidden=big_hidden, heads=8, kv_heads=2, vocab=32000)
-            spec = ModelSpec(
-                hidden=big_hidden, heads=8, kv_heads=2, vocab=32000, blocks=[full.blocks[i] for i in BIG_PICK]
-            )
-            export_spec_model(spec, big, seed=3, external_data_threshold=0)
-            fuse_file(big, Plan(groups=BIG_GROUPS), fused, validate_output=False)
-        paths["big-fused"] = fused
     return paths
 
 

@@ -29,14 +29,14 @@ from passes.shard import (
     shard_file,
     shard_in_memory,
 )
-from runtime.sharder_comparison import SMALL_BLOCKS, SMALL_GROUPS, TOLERANCE
+from runtime.sharder_comparison import TOLERANCE, small_models
 from runtime.tp import run_simulated
 from tests import decode_fixtures
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# SMALL_BLOCKS: the Super-49B pattern (8 heads, 1 KV head, attention-free runs); widths 60/100/44 and the
-# fused 212 are not multiples of 8, so tp=8 pads them. SMALL_GROUPS: the fusion plan, groups (1,3), (5,7).
+# The m49 models (runtime.sharder_comparison.SMALL_BLOCKS): the Super-49B pattern (8 heads, 1 KV head,
+# attention-free runs); widths 60/100/44 and the fused 212 are not multiples of 8, so tp=8 pads them.
 
 
 @dataclass(frozen=True)
@@ -49,37 +49,13 @@ class TpModels:
 
 
 def build_models(base: Path) -> TpModels:
-    """Export the test models once per session (both test files call this with the session's base temp)."""
-    from exporters.onnx_export import export_spec_model
-    from exporters.spec import BlockSpec, ModelSpec
-    from passes.fp8 import calibrate, quantize_fp8
-    from passes.model_io import load_model, save_model
-    from passes.pipeline import fuse_file
-    from passes.plan import Plan
-
+    """Export the test models once per session (several test files call this with the session's base temp):
+    runtime.sharder_comparison's small models (the FP8 one calibrated on tokens(16, seed=5)), and hf."""
     folder = base / "tp_models"
-    names = ("m49.onnx", "m49.fused.onnx", "m49.fused.fp8.onnx", "gqa.onnx", "hf.onnx")
-    models = TpModels(*(folder / name for name in names))
+    small = small_models(folder, tokens(16, seed=5))
+    models = TpModels(small["m49"], small["m49-fused"], small["m49-fp8"], small["gqa"], folder / "hf.onnx")
     if (folder / "done").exists():
         return models
-    folder.mkdir(parents=True, exist_ok=True)
-    blocks = [BlockSpec(attention=a, ffn_width=w) for a, w in SMALL_BLOCKS]
-    spec = ModelSpec(hidden=64, heads=8, kv_heads=1, vocab=256, blocks=blocks)
-    export_spec_model(spec, models.unfused, seed=1, external_data_threshold=0)
-    fuse_file(models.unfused, Plan(groups=SMALL_GROUPS), models.fused, validate_output=False)
-    scales = calibrate(models.fused, [tokens(16, seed=5)], progress=False)
-    fp8 = load_model(models.fused)
-    quantize_fp8(fp8, scales, quantize_lm_head=True)
-    save_model(fp8, models.fused_fp8, True)
-    gqa = ModelSpec(
-        hidden=96,
-        heads=12,
-        kv_heads=2,
-        vocab=250,
-        tie_embeddings=False,
-        blocks=[BlockSpec(True, 40), BlockSpec(False, 36), BlockSpec(True, 48)],
-    )
-    export_spec_model(gqa, models.gqa, seed=2, external_data_threshold=0)
     export_hf_llama(models.hf)
     (folder / "done").write_text("ok")
     return models
