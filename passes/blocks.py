@@ -55,6 +55,12 @@ class Block:
     barrier: str | None = None
 
     @property
+    def fusion_barrier(self) -> bool:
+        """Attention or another barrier branch before the FFN: a plan group may start at this block, but
+        not contain it after its first block."""
+        return self.attention or self.barrier is not None
+
+    @property
     def ffn_input(self) -> ir.Value:
         """The stream entering the FFN sub-block (after the attention sub-block)."""
         return self.residual.stream_in

@@ -112,3 +112,9 @@ def test_linear_branch_shards_row_parallel(linear_nemotron, tmp_path, tp) -> Non
     ids = _tokens()
     expected = open_session(source, threads=1).run(None, {"input_ids": ids})[0]
     assert max_abs_relative_error(run_simulated(tmp_path / "tp", ids), expected) <= 1e-5
+
+
+def test_show_blocks_marks_linear_barriers(tool, linear_nemotron) -> None:
+    result = tool("fuse_onnx", linear_nemotron[1], "--show-blocks", check=True)
+    assert "stream: A-LLA--" in result.stdout
+    assert "attention-free runs: 5-6 (2 blocks)" in result.stdout  # 1-3 would cross the Linear branches
