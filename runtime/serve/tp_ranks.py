@@ -126,6 +126,8 @@ class TpRanks:
         if comm not in COMMS:
             raise UserError(f"unknown collective backend {comm!r}; use {' or '.join(COMMS)}")
         world = len(rank_onnx_files(directory))
+        if comm == "nccl":
+            _check_gpus(world)
         port = free_port()
         self.settings = RankSettings(str(directory), world, port, left_padding, threads, comm, timeout_s)
         self.keys: set[Hashable] = set()
@@ -192,8 +194,11 @@ class TpRanks:
         return self._call("decode", {k: int(t) for k, t in tokens.items()})
 
     def release(self, key: Hashable) -> None:
+        """Never raises (the scheduler releases while it finishes requests): a broken group is recorded in
+        `problem`, and the next prefill or decode reports it."""
         if key in self.keys and self.failure is None:
-            self._call("release", key)
+            with contextlib.suppress(RanksDown, RuntimeError):
+                self._call("release", key)
         self.keys.discard(key)
 
     def close(self) -> None:
@@ -270,6 +275,19 @@ class TpRanks:
             process.join(STOP_WAIT_S)
         for conn in self.conns:
             conn.close()
+
+
+def _check_gpus(world: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    gpus = torch.cuda.device_count()
+    if not dist.is_nccl_available() or gpus < world:
+        raise UserError(
+            f"--tp-comm nccl needs torch with NCCL and {world} GPUs (one per rank); this machine has {gpus}"
+            + ("" if dist.is_nccl_available() else " and torch without NCCL")
+            + ": use --tp-comm gloo"
+        )
 
 
 def _context() -> Any:

@@ -506,7 +506,7 @@ def _decode_steps(url: str) -> float:
 def test_a_crashed_rank_fails_its_request_and_health_not_the_server(tp2_folder):
     """A rank that dies mid-request (SIGSTOP so that the step is surely under way, then SIGKILL): that
     request gets a 500 error JSON, /health 503 with the reason, later requests 503; the server answers
-    on, and no rank process outlives it."""
+    on, and no rank process outlives it. A rank that dies while idle: the same, at once."""
     import signal
 
     served = loading.load(tp2_folder, backend="tp", name="tiny_decode")
@@ -533,6 +533,17 @@ def test_a_crashed_rank_fails_its_request_and_health_not_the_server(tp2_folder):
         assert refused.value.status_code == 503 and refused.value.body["code"] == "model_unavailable"
         assert httpx.get(tp.url + "/v1/models").status_code == 200
     assert all(not p.is_alive() for p in ranks.processes)
+    # a rank that dies while nothing runs: /health fails at once, the next request gets 503
+    served = loading.load(tp2_folder, backend="tp", name="tiny_decode")
+    with ServerThread(served) as tp:
+        os.kill(served.ranks.pids[0], signal.SIGKILL)
+        served.ranks.processes[0].join(30)
+        health = httpx.get(tp.url + "/health")
+        assert health.status_code == 503 and "rank 0 exited (signal 9)" in health.json()["status"]
+        with pytest.raises(openai.APIStatusError) as refused:
+            complete(client(tp), PROMPTS[2], 5)
+        assert refused.value.status_code == 503
+    assert all(not p.is_alive() for p in served.ranks.processes)
 
 
 def test_model_resolution(tmp_path_factory, tmp_path):
@@ -568,7 +579,7 @@ def test_model_resolution(tmp_path_factory, tmp_path):
 # ------------------------------------------------------------------------------------ the command
 
 
-def test_serve_command_line(tmp_path_factory, tmp_path):
+def test_serve_command_line(tmp_path_factory, tmp_path, tp2_folder):
     folder = sf.tiny_folder(tmp_path_factory.getbasetemp())
     process, url, command = start_cli(
         str(folder), "--max-batch", "4", "--model-name", "tiny", "--log-level", "warning"
@@ -587,6 +598,8 @@ def test_serve_command_line(tmp_path_factory, tmp_path):
         ([str(tmp_path / "missing")], "does not exist"),
         ([str(folder), "--backend", "tp"], "tp.json"),
         ([str(folder), "--max-batch", "0"], "--max-batch"),
+        # NCCL needs a GPU per rank: without them, one line before any rank process starts
+        *([([str(tp2_folder), "--tp-comm", "nccl"], "2 GPUs")] if torch.cuda.device_count() < 2 else []),
     ]:
         result = subprocess.run(
             [sys.executable, str(ROOT / "tools" / "serve.py"), *args],
