@@ -22,7 +22,7 @@ Cast/Identity copies of the stream (Optimum casts the stream before every norm).
 - "ffn": RMSNorm -> SwiGLU, fusable (its `norm` and `ffn` records);
 - "attention": a branch with an attention core (Softmax or a fused attention op);
 - "linear": one projection (after any norm), e.g. a Nemotron-NAS replace_with_linear attention or FFN;
-- "other": anything else (a GELU FFN, an FP8 Q/DQ FFN, ...), opaque; `why` says what it is.
+- "other": anything else (a GELU FFN, a form the SwiGLU recognizer does not know), opaque; `why` says what.
 
 `model_map.blocks` are derived from that list: every "ffn" branch, with the branches between it and the
 previous one, is one block. An attention branch there sets `Block.attention`; a "linear" or "other"
