@@ -17,310 +17,56 @@ Weights are streamed: the scales are computed eagerly from bands of rows read fr
 mapped whole), and the FP8 values are computed band by band again while the model is saved, so memory
 stays near one band whatever the weight size.
 
-`QuantizeFP8` is the onnx-ir pass (it chains after passes.fuse.FuseFFNGroups in one PassManager);
-`quantize_fp8` runs it on one model and returns its report.
+Finding the linear layers is passes/linears.py, calibration passes/fp8_calibrate.py, raising the opset
+passes/opset.py; this module writes the weights and Q/DQ nodes. `QuantizeFP8` is the onnx-ir pass (it
+chains after passes.fuse.FuseFFNGroups in one PassManager); `quantize_fp8` runs it on one model and
+returns its report.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import hashlib
-import json
-import logging
 import math
-import sys
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import ml_dtypes
 import numpy as np
-import onnx
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from passes.errors import PassInputError, UserError
-from passes.model_io import load_model
-from passes.sessions import ORT_DISABLED_OPTIMIZERS, open_session  # noqa: F401  (re-exported)
+from passes.fp8_calibrate import (  # calibrate, ActivationScales, ... re-exported: callers import them here
+    FP8_MAX,
+    ActivationScales,
+    calibrate,
+    scale_from_amax,
+    tokens_sha256,
+)
+from passes.linears import Linear, WeightSource, find_linears, graph_values
+from passes.opset import raise_opset, schema_violation
+from passes.sessions import ORT_DISABLED_OPTIMIZERS
 from passes.stream_concat import read_columns, read_rows
 
-FP8_MAX = 448.0
+__all__ = [
+    "FP8_MAX",
+    "MIN_FP8_OPSET",
+    "ORT_DISABLED_OPTIMIZERS",
+    "TARGET_OPSET",
+    "ActivationScales",
+    "Linear",
+    "QuantReport",
+    "QuantizeFP8",
+    "WeightSource",
+    "calibrate",
+    "find_linears",
+    "quantize_fp8",
+    "scale_from_amax",
+    "tokens_sha256",
+]
+
 MIN_FP8_OPSET = 19
 TARGET_OPSET = 21
-SCALES_FORMAT = "ffn-fusion-fp8-scales/1"
-_HIST_BINS = 4096
-_PASSTHROUGH_WEIGHT_OPS = ("Transpose", "Cast", "Identity")
-
-
-# --------------------------------------------------------------------------------------------- finding
-
-
-@dataclass(frozen=True)
-class WeightSource:
-    """The constant weight behind a MatMul's B input."""
-
-    value: ir.Value  # initializer, or the output of a Constant node
-    tensor: ir.TensorProtocol
-    transpose: bool  # True when the stored tensor is [out, in]
-    dtype: ir.DataType  # what the MatMul sees (after any Cast)
-
-
-@dataclass(frozen=True)
-class Linear:
-    node: ir.Node
-    activation: ir.Value
-    weight: WeightSource
-    is_lm_head: bool
-
-    @property
-    def width(self) -> tuple[int, int]:
-        """(in, out) of the weight as the MatMul sees it."""
-        rows, cols = (int(d) for d in self.weight.tensor.shape)
-        return (cols, rows) if self.weight.transpose else (rows, cols)
-
-
-def _constant_tensor(value: ir.Value) -> ir.TensorProtocol | None:
-    if value.is_graph_input():
-        return None
-    if value.const_value is not None and value.is_initializer():
-        return value.const_value
-    producer = value.producer()
-    if producer is not None and producer.op_type == "Constant" and producer.domain == "":
-        attr = producer.attributes.get("value")
-        if attr is not None and attr.type == ir.AttributeType.TENSOR:
-            return attr.value
-    return None
-
-
-def _weight_source(value: ir.Value) -> WeightSource | None:
-    """Follow Transpose/Cast/Identity back to a constant 2-D weight; None if B is not constant."""
-    transpose = False
-    dtype = value.dtype
-    for _ in range(8):
-        tensor = _constant_tensor(value)
-        if tensor is not None:
-            if len(tensor.shape) != 2 or not tensor.dtype.is_floating_point():
-                return None
-            return WeightSource(value=value, tensor=tensor, transpose=transpose, dtype=dtype or tensor.dtype)
-        producer = value.producer()
-        if producer is None or producer.domain != "" or producer.op_type not in _PASSTHROUGH_WEIGHT_OPS:
-            return None
-        if producer.op_type == "Transpose":
-            perm = producer.attributes.get("perm")
-            if perm is not None and list(perm.as_ints()) != [1, 0]:
-                return None
-            transpose = not transpose
-        if producer.op_type == "Cast" and dtype is None:
-            dtype = ir.DataType(producer.attributes["to"].as_int())
-        value = producer.inputs[0]
-        if value is None:
-            return None
-    return None
-
-
-def _reaches_output_without_matmul(value: ir.Value) -> bool:
-    seen: set[int] = set()
-    stack = [value]
-    while stack:
-        current = stack.pop()
-        if current.is_graph_output():
-            return True
-        for node in current.consumers():
-            if id(node) in seen or node.op_type in ("MatMul", "Gemm"):
-                continue
-            seen.add(id(node))
-            stack.extend(node.outputs)
-    return False
-
-
-def find_linears(graph: ir.Graph) -> list[Linear]:
-    """All linear layers (MatMul with a constant 2-D B) in graph order."""
-    found = []
-    for node in graph:
-        if node.op_type != "MatMul" or node.domain != "" or len(node.inputs) != 2:
-            continue
-        a, b = node.inputs
-        if a is None or b is None or (a.dtype is not None and not a.dtype.is_floating_point()):
-            continue
-        source = _weight_source(b)
-        if source is None or not source.dtype.is_floating_point():
-            continue
-        lm_head = _reaches_output_without_matmul(node.outputs[0])
-        found.append(Linear(node=node, activation=a, weight=source, is_lm_head=lm_head))
-    return found
-
-
-# ----------------------------------------------------------------------------------------- calibration
-
-
-@dataclass
-class ActivationScales:
-    """Per-tensor activation scales (tensor name -> scale) and how they were obtained."""
-
-    scales: dict[str, float]
-    amax: dict[str, float] = field(default_factory=dict)
-    percentile: float | None = None
-    tokens_sha256: str = ""
-    num_tokens: int = 0
-
-    def save(self, path: str | Path) -> None:
-        record = {
-            "format": SCALES_FORMAT,
-            "fp8_max": FP8_MAX,
-            "percentile": self.percentile,
-            "calibration_tokens_sha256": self.tokens_sha256,
-            "num_tokens": self.num_tokens,
-            "scales": self.scales,
-            "amax": self.amax,
-        }
-        Path(path).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
-
-    @classmethod
-    def load(cls, path: str | Path) -> ActivationScales:
-        try:
-            record = json.loads(Path(path).read_text())
-        except (OSError, ValueError) as exc:
-            raise UserError(f"cannot read FP8 scales file {path}: {exc}") from None
-        if not isinstance(record, dict) or record.get("format") != SCALES_FORMAT:
-            raise UserError(f"{path} is not an FP8 scales file (expected format {SCALES_FORMAT!r})")
-        scales = record.get("scales")
-        if not isinstance(scales, dict) or not all(
-            isinstance(v, int | float) and v > 0 and math.isfinite(v) for v in scales.values()
-        ):
-            raise UserError(f"{path}: 'scales' must map tensor names to positive numbers")
-        return cls(
-            scales={str(k): float(v) for k, v in scales.items()},
-            amax={str(k): float(v) for k, v in record.get("amax", {}).items()},
-            percentile=record.get("percentile"),
-            tokens_sha256=str(record.get("calibration_tokens_sha256", "")),
-            num_tokens=int(record.get("num_tokens", 0)),
-        )
-
-
-class _AbsStats:
-    """Running max of |x| and, for percentiles, a histogram whose range doubles as the max grows."""
-
-    def __init__(self, keep_histogram: bool) -> None:
-        self.amax = 0.0
-        self.keep_histogram = keep_histogram
-        self.hist: np.ndarray | None = None
-        self.hi = 0.0
-
-    def update(self, x: np.ndarray) -> None:
-        absx = np.abs(np.asarray(x, dtype=np.float32)).ravel()
-        absx = absx[np.isfinite(absx)]
-        if absx.size == 0:
-            return
-        batch_max = float(absx.max())
-        self.amax = max(self.amax, batch_max)
-        if not self.keep_histogram:
-            return
-        if self.hist is None:
-            self.hist = np.zeros(_HIST_BINS, dtype=np.int64)
-            self.hi = batch_max if batch_max > 0 else 1e-12
-        while batch_max > self.hi:
-            merged = self.hist.reshape(-1, 2).sum(axis=1)
-            self.hist = np.concatenate([merged, np.zeros_like(merged)])
-            self.hi *= 2.0
-        self.hist += np.histogram(absx, bins=_HIST_BINS, range=(0.0, self.hi))[0]
-
-    def value(self, percentile: float | None) -> float:
-        if percentile is None or self.hist is None:
-            return self.amax
-        cdf = np.cumsum(self.hist) / max(int(self.hist.sum()), 1)
-        index = int(np.searchsorted(cdf, percentile / 100.0))
-        return min(self.amax, (index + 1) * self.hi / _HIST_BINS)
-
-
-def tokens_sha256(token_batches: Iterable[np.ndarray | Mapping[str, np.ndarray]]) -> str:
-    """sha256 of the calibration batches (arrays, or dicts of feeds), in order; saved with the scales."""
-    digest = hashlib.sha256()
-    for batch in token_batches:
-        feeds = batch if isinstance(batch, Mapping) else {"": batch}
-        for key in sorted(feeds):
-            array = np.ascontiguousarray(feeds[key], dtype=np.int64)
-            digest.update(f"{key}{array.shape}".encode())
-            digest.update(array.tobytes())
-    return digest.hexdigest()
-
-
-def scale_from_amax(amax: float) -> float:
-    return amax / FP8_MAX if amax > 0 and math.isfinite(amax) else 1.0
-
-
-def _calibration_session(model_path: Path, names: list[str]):
-    model = load_model(model_path)
-    by_name = {v.name: v for v in _all_values(model.graph)}
-    outputs = {v.name for v in model.graph.outputs}
-    for name in names:
-        if name not in outputs:
-            model.graph.outputs.append(by_name[name])
-    return open_session(ir.to_proto(model), folder=model_path.parent)
-
-
-def _all_values(graph: ir.Graph) -> Iterable[ir.Value]:
-    yield from graph.inputs
-    for node in graph:
-        yield from node.outputs
-
-
-def _feeds(session, batch) -> dict[str, np.ndarray]:
-    if isinstance(batch, Mapping):
-        return {k: np.asarray(v) for k, v in batch.items()}
-    inputs = session.get_inputs()
-    if len(inputs) != 1:
-        names = ", ".join(i.name for i in inputs)
-        raise UserError(f"the model has several inputs ({names}); pass calibration batches as dicts of feeds")
-    return {inputs[0].name: np.asarray(batch, dtype=np.int64)}
-
-
-def calibrate(
-    model_path: str | Path,
-    token_batches: Iterable[np.ndarray | Mapping[str, np.ndarray]],
-    percentile: float | None = None,
-    *,
-    progress: bool = True,
-) -> ActivationScales:
-    """Run calibration batches through ONNX Runtime and return per-tensor activation scales.
-
-    The inputs of every linear layer (the lm_head's included, so one file serves both settings of
-    `quantize_lm_head`) become extra outputs of a temporary copy of the model; the weights stay where
-    they are (external data is read from the model's folder). `percentile` (e.g. 99.99) clips the
-    amax to that percentile of |x| over all calibration tokens and channels.
-    """
-    from tqdm import tqdm
-
-    if percentile is not None and not 0 < percentile <= 100:
-        raise UserError(f"percentile must be in (0, 100], got {percentile}")
-    model_path = Path(model_path)
-    if not model_path.is_file():
-        raise UserError(f"model not found: {model_path}")
-    names = list(dict.fromkeys(lin.activation.name for lin in find_linears(load_model(model_path).graph)))
-    if not names:
-        raise UserError(f"{model_path} has no linear layers (MatMul with a constant weight) to calibrate")
-    session = _calibration_session(model_path, names)
-    stats = {name: _AbsStats(percentile is not None) for name in names}
-    num_tokens = 0
-    batches = list(token_batches)
-    if not batches:
-        raise UserError("no calibration tokens given")
-    for batch in tqdm(batches, desc="calibrate", unit="batch", file=sys.stderr, disable=not progress):
-        feeds = _feeds(session, batch)
-        num_tokens += int(next(iter(feeds.values())).size)
-        for name, value in zip(names, session.run(names, feeds), strict=True):
-            stats[name].update(value)
-    amax = {name: s.value(percentile) for name, s in stats.items()}
-    return ActivationScales(
-        scales={name: scale_from_amax(a) for name, a in amax.items()},
-        amax=amax,
-        percentile=percentile,
-        tokens_sha256=tokens_sha256(batches),
-        num_tokens=num_tokens,
-    )
-
-
-# -------------------------------------------------------------------------------------------- rewriting
 
 
 @dataclass
@@ -394,7 +140,7 @@ class _FP8Weight(ir.LazyTensor):
 
 class _Namer:
     def __init__(self, graph: ir.Graph) -> None:
-        self.used = {v.name for v in _all_values(graph)} | set(graph.initializers)
+        self.used = {v.name for v in graph_values(graph)} | set(graph.initializers)
 
     def __call__(self, base: str) -> str:
         name, i = base, 1
@@ -409,81 +155,6 @@ def _initializer(graph: ir.Graph, name: str, tensor: ir.TensorProtocol) -> ir.Va
     value.const_value = tensor
     graph.register_initializer(value)
     return value
-
-
-# ONNX Runtime registers some contrib ops (SimplifiedLayerNormalization, ...) in the default domain. onnx's
-# version converter has no schema for them and refuses the whole graph, but leaves other domains alone:
-# they wait in this domain while the opset is raised.
-_ASIDE_DOMAIN = "ffn_fusion.no_onnx_schema"
-_CONVERTER_FAILURES = ("Failed to convert", "Skipping version conversion")
-
-
-def _raise_opset(model: ir.Model, target: int) -> tuple[int, int]:
-    """Raise the default opset to `target`, converting every node that changed on the way (ReduceMean's
-    axes attribute becomes an input at 18, ...): onnxscript's converter from opset 18, onnx's own below
-    it. Weights are not read (the converters see the graph without its large initializers)."""
-    before = model.opset_imports.get("", 1)
-    if before >= target:
-        return before, before
-    from onnxscript.version_converter import ConvertVersionPass
-
-    _move_domain(model, "", _ASIDE_DOMAIN, lambda node: not onnx.defs.has(node.op_type, ""))
-    with _captured_warnings("onnxscript.version_converter") as warnings:
-        try:
-            ConvertVersionPass(target, fallback=True)(model)
-        except Exception as exc:  # the converters raise assorted errors for ops they cannot convert
-            warnings.append(f"{type(exc).__name__}: {str(exc).strip()}")
-            warnings[-1] = f"{_CONVERTER_FAILURES[0]}: {warnings[-1]}"
-    _move_domain(model, _ASIDE_DOMAIN, "", lambda node: True)
-    failures = [w.splitlines()[0] for w in warnings if w.startswith(_CONVERTER_FAILURES)]
-    after = model.opset_imports.get("", before)
-    problem = failures[0] if failures else _schema_violation(model, after)
-    if after < MIN_FP8_OPSET or problem:
-        raise UserError(
-            f"cannot raise the model's opset from {before} to {target} for FP8 Q/DQ"
-            + (f" ({problem})" if problem else "")
-            + f"; re-export it with opset >= {target}"
-        )
-    return before, after
-
-
-def _move_domain(model: ir.Model, source: str, target: str, chosen) -> None:
-    moved = False
-    for node in ir.traversal.RecursiveGraphIterator(model.graph):
-        if node.domain == source and chosen(node):
-            node.domain, moved = target, True
-    if source == _ASIDE_DOMAIN:
-        model.opset_imports.pop(source, None)
-    elif moved:
-        model.opset_imports[target] = 1
-
-
-@contextlib.contextmanager
-def _captured_warnings(logger_name: str) -> Iterator[list[str]]:
-    """Collect a logger's warnings instead of printing them (the converter logs its failures)."""
-    records: list[str] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: records.append(record.getMessage())
-    logger = logging.getLogger(logger_name)
-    logger.addHandler(handler)
-    propagate, logger.propagate = logger.propagate, False
-    try:
-        yield records
-    finally:
-        logger.removeHandler(handler)
-        logger.propagate = propagate
-
-
-def _schema_violation(model: ir.Model, opset: int) -> str | None:
-    """A node the conversion left invalid at `opset` (an attribute its schema no longer has), if any."""
-    for node in ir.traversal.RecursiveGraphIterator(model.graph):
-        if node.domain != "" or not onnx.defs.has(node.op_type, ""):
-            continue
-        schema = onnx.defs.get_schema(node.op_type, opset, "")
-        unknown = sorted(set(node.attributes) - set(schema.attributes))
-        if unknown:
-            return f"{node.op_type} node {node.name!r} keeps attribute {unknown[0]!r}, gone at opset {opset}"
-    return None
 
 
 class _Rewriter:
@@ -632,7 +303,7 @@ class QuantizeFP8(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         report = self.report = QuantReport()
         chosen = _choose(find_linears(model.graph), self.quantize_lm_head, report)
-        report.opset = _raise_opset(model, self.target_opset)
+        report.opset = raise_opset(model, self.target_opset, MIN_FP8_OPSET, "FP8 Q/DQ")
         if report.opset[0] != report.opset[1]:  # onnx's converter rebuilt the graph: find them anew
             report.skipped.clear()
             chosen = _choose(find_linears(model.graph), self.quantize_lm_head, report)
@@ -657,7 +328,7 @@ class QuantizeFP8(ir.passes.InPlacePass):
         for name in self.report.quantized:
             if (problem := _not_quantized(nodes.get(name))) is not None:
                 raise AssertionError(f"MatMul {name!r}: {problem}")
-        if (problem := _schema_violation(model, opset)) is not None:
+        if (problem := schema_violation(model, opset)) is not None:
             raise AssertionError(problem)
 
 

@@ -18,12 +18,12 @@ from passes.fp8 import (
     FP8_MAX,
     ORT_DISABLED_OPTIMIZERS,
     ActivationScales,
-    _AbsStats,
     calibrate,
     find_linears,
     quantize_fp8,
     tokens_sha256,
 )
+from passes.fp8_calibrate import _AbsStats
 from passes.model_io import load_model, save_model
 from tests import fp8_fixtures as fx
 

@@ -17,8 +17,9 @@ from exporters.llama import build_model
 from exporters.spec import BlockSpec, ModelSpec
 from exporters.synthetic import SyntheticSpec, build_synthetic
 from passes.errors import UserError
-from passes.fp8 import ORT_DISABLED_OPTIMIZERS, _raise_opset, calibrate, quantize_fp8
+from passes.fp8 import MIN_FP8_OPSET, ORT_DISABLED_OPTIMIZERS, calibrate, quantize_fp8
 from passes.model_io import load_model, load_proto, save_model
+from passes.opset import raise_opset
 
 SPEC = ModelSpec(
     hidden=64, heads=4, kv_heads=2, vocab=128, blocks=[BlockSpec(True, 96), BlockSpec(False, 128)]
@@ -103,7 +104,7 @@ def test_raising_the_opset_reads_no_large_weight(torchscript_opset17, monkeypatc
 
         monkeypatch.setattr(ir.ExternalTensor, method, spy)
     model = load_model(torchscript_opset17)
-    assert _raise_opset(model, 21) == (17, 21)
+    assert raise_opset(model, 21, MIN_FP8_OPSET, "FP8 Q/DQ") == (17, 21)
     assert read == []
     assert sum(isinstance(v.const_value, ir.ExternalTensor) for v in model.graph.initializers.values()) > 5
 
@@ -114,4 +115,4 @@ def test_a_conversion_that_leaves_an_invalid_node_is_refused(tmp_path):
     model = load_model(path)
     model.opset_imports[""] = 18
     with pytest.raises(UserError, match="ReduceMean .*'axes'"):
-        _raise_opset(model, 21)
+        raise_opset(model, 21, MIN_FP8_OPSET, "FP8 Q/DQ")
