@@ -54,9 +54,11 @@ SKIP_NORMS = {"SkipSimplifiedLayerNormalization": "SimplifiedLayerNormalization"
 STREAMING_BYTES = 3 << 30
 
 
-def session(proto: onnx.ModelProto, folder: Path, threads: int = 0) -> ort.InferenceSession:
+def session(
+    proto: onnx.ModelProto, folder: Path, threads: int = 0, prepack: bool = True
+) -> ort.InferenceSession:
     """An ONNX Runtime CPU session for `proto` whose external data (if any) lies in `folder`."""
-    return open_session(proto, folder=folder, threads=threads or None)
+    return open_session(proto, folder=folder, threads=threads or None, prepack=prepack)
 
 
 def input_feed(proto: onnx.ModelProto, tokens: np.ndarray) -> dict[str, np.ndarray]:
@@ -293,7 +295,8 @@ class BlockRunner:
             if self.streaming:
                 self._sessions.clear()  # release the previous block's weights before loading these
                 self._attention.clear()
-                self._sessions[k] = session(self.cuts[k].proto, self.path.parent, self.threads)
+                # No prepacked second copy of the weights (measured in docs/scale.md: the peak halves).
+                self._sessions[k] = session(self.cuts[k].proto, self.path.parent, self.threads, prepack=False)
             else:
                 self._sessions[k] = session(self.cuts[k].proto, self.path.parent, self.threads)
                 self.cuts[k].proto = onnx.ModelProto()  # the session holds the weights now
@@ -403,13 +406,15 @@ class BlockRunner:
             self._attention[k] = (side, session(sub, self.path.parent, self.threads))
         side, sess = self._attention[k]
         feed = {self.cuts[k].input_name: stream, **{n: self.side[n] for n in side}}
-        return sess.run(None, feed)[0]
+        return np.array(sess.run(None, feed)[0])  # a copy: see run_block
 
     def run_block(self, k: int, stream: np.ndarray) -> np.ndarray:
         """Block k's output stream for input `stream` (side tensors from the last capture)."""
         cut = self.cuts[k]
         feed = {cut.input_name: stream, **{n: self.side[n] for n in cut.side_inputs}}
-        return self.block_session(k).run(None, feed)[0]
+        # A copy: ONNX Runtime's output array keeps the memory of the run it came from (the session's arena)
+        # alive after the session is released; the analysis keeps every block's streams.
+        return np.array(self.block_session(k).run(None, feed)[0])
 
 
 # ---------------------------------------------------------------------------------------------- metrics

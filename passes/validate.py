@@ -5,8 +5,9 @@
   (fusion is an approximation: these are reported, not bounded);
 - exactness: each fused group's output, given the input the fused model fed it, must equal the numpy
   parallel sum of the original FFNs (passes/reference.py) to `tolerance`.
-When the model is too large to run whole, each fused group is checked on its own subgraph with a
-random input instead, so memory stays near one group's weights.
+When the model is too large to run whole within the memory bound (fuse + validation at most 512 MB,
+issue 13), each fused group is checked on its own subgraph with a random input instead, so memory stays
+near one group's weights (and a group too large for that is evaluated over row blocks, in float64).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from passes.analysis import _split_skip_norms, stream_names
 from passes.blocks import Block, find_blocks, vocab_size
 from passes.errors import UserError
 from passes.fuse import PLAN_METADATA_KEY
@@ -30,8 +32,10 @@ from passes.plan import Plan, parse_plan
 from passes.reference import parallel_sum
 from passes.sessions import open_session
 
-# Above this many weight bytes the whole-model run is replaced by per-group subgraph checks.
-WHOLE_MODEL_LIMIT = 3 << 30
+# Above this many weight bytes the whole-model run is replaced by per-group subgraph checks. A whole-model
+# run holds every weight in ONNX Runtime, on top of the ~150 MB of the fusing process: a 0.40 GB model
+# peaked at 532 MB (docs/scale.md), so whole runs stop where the 512 MB bound would break.
+WHOLE_MODEL_LIMIT = 256 << 20
 
 
 class ValidationError(UserError):
@@ -111,16 +115,24 @@ def validate(
     expected = len(original_blocks) - plan.removed_ffns
     if len(fused_blocks) != expected:
         raise ValidationError(f"fused model has {len(fused_blocks)} blocks, the plan gives {expected}")
-    pairs = [(g, original_blocks[g[0] : g[1] + 1], fused_blocks[_fused_index(plan, g)]) for g in plan.groups]
+    pairs = [(g, original_blocks[g[0] : g[1] + 1], _fused_index(plan, g)) for g in plan.groups]
     tolerance = tolerance if tolerance is not None else exactness_tolerance(original_blocks)
-    for (first, last), group, block in pairs:
-        if block.width != sum(b.width for b in group):
-            raise ValidationError(f"fused block for group [{first}, {last}] has width {block.width}")
+    for (first, last), group, k in pairs:
+        if (width := fused_blocks[k].width) != sum(b.width for b in group):
+            raise ValidationError(f"fused block for group [{first}, {last}] has width {width}")
+    proto = load_proto(fused)
+    # Each block's output stream, as the block-by-block runner cuts them (passes/analysis.py): a last block
+    # whose sum the final Skip*Normalization keeps internal (output 3 unnamed) gets it named in `proto`.
+    ends = [end for _, end in stream_names(proto, fused_blocks)]
+    checks = [(g, group, fused_blocks[k], ends[k]) for g, group, k in pairs]
     if weight_bytes(fused_model) > WHOLE_MODEL_LIMIT:
         report = ValidationReport("per group")
-        report.groups = [_check_group_alone(fused, g, group, block, plan.norm) for g, group, block in pairs]
+        # A group's FFN starting at a Skip*Normalization's sum gets its own norm of the sum (as the runner
+        # cuts blocks): otherwise its subgraph would reach back through the node into the whole prefix.
+        _split_skip_norms(proto, [block.ffn_input.name for _, _, block, _ in checks])
+        report.groups = [_check_group_alone(proto, fused, *check, plan.norm) for check in checks]
     else:
-        report = _check_whole_model(original, fused, pairs, plan.norm, tokens, original_blocks)
+        report = _check_whole_model(original, fused, proto, checks, plan.norm, tokens, original_blocks)
     report.tolerance, report.notes = tolerance, notes
     return report
 
@@ -174,8 +186,7 @@ def _session(proto: onnx.ModelProto, folder: Path) -> ort.InferenceSession:
         raise ValidationError(f"ONNX Runtime cannot load the model: {str(exc).splitlines()[0]}") from None
 
 
-def _with_outputs(path: Path, names: list[str]) -> onnx.ModelProto:
-    proto = load_proto(path)
+def _with_outputs(proto: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
     proto.graph.output.extend(
         onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None) for n in names
     )
@@ -204,18 +215,18 @@ def _run(proto: onnx.ModelProto, folder: Path, tokens: np.ndarray) -> list[np.nd
     return _session(proto, folder).run(None, _input_feed(proto, tokens))
 
 
-def _check_whole_model(original, fused, pairs, mode, tokens, original_blocks) -> ValidationReport:
+def _check_whole_model(original, fused, proto, checks, mode, tokens, original_blocks) -> ValidationReport:
     tokens = default_tokens(original_blocks) if tokens is None else tokens
     reference_logits = _run(load_proto(original), original.parent, tokens)[0]
-    names = [n for _, _, b in pairs for n in (b.ffn_input.name, b.residual.output.name)]
-    outputs = _run(_with_outputs(fused, names), fused.parent, tokens)
+    names = [n for _, _, block, end in checks for n in (block.ffn_input.name, end)]
+    outputs = _run(_with_outputs(proto, names), fused.parent, tokens)
     logits, streams = outputs[0], outputs[len(outputs) - len(names) :]
     report = ValidationReport("whole model")
     report.logits_rel_error, report.logits_cosine = (
         l2_relative_error(logits, reference_logits),
         cosine(logits, reference_logits),
     )
-    for index, (group_range, group, _) in enumerate(pairs):
+    for index, (group_range, group, _, _) in enumerate(checks):
         x, y = streams[2 * index], streams[2 * index + 1]
         report.groups.append(GroupCheck(group_range, _contribution_error(x, y, parallel_sum(x, group, mode))))
     return report
@@ -228,14 +239,17 @@ def _check_whole_model(original, fused, pairs, mode, tokens, original_blocks) ->
 SUBGRAPH_WEIGHT_LIMIT = 128 << 20
 
 
-def _check_group_alone(fused: Path, group_range, group: list[Block], block: Block, mode: str) -> GroupCheck:
-    """The fused group alone on a random stream, against the reference from the original weights."""
+def _check_group_alone(
+    proto: onnx.ModelProto, fused: Path, group_range, group: list[Block], block: Block, end: str, mode: str
+) -> GroupCheck:
+    """The fused group alone on a random stream, against the reference from the original weights. `proto`
+    is the fused model's (external data on disk), `end` the name of the block's output stream in it."""
     hidden = group[0].ffn.gate.shape[0]
     rank = block.ffn_input.shape.rank() if block.ffn_input.shape is not None else 3
     x = np.random.default_rng(0).standard_normal((1, 8, hidden)[3 - rank :]).astype(np.float32)
     if _ffn_weight_bytes(block) <= SUBGRAPH_WEIGHT_LIMIT:
-        x_name, y_name = block.ffn_input.name, block.residual.output.name
-        sub = _subgraph(load_proto(fused), x_name, y_name, rank)
+        x_name = block.ffn_input.name
+        sub = _subgraph(proto, x_name, end, rank)
         (y,) = _session(sub, fused.parent).run(None, {x_name: x})
     else:
         y = parallel_sum(x, [block], "last")  # the fused block itself: its own norm weight, if any

@@ -7,8 +7,9 @@ step in a fresh child process (runtime.peak_memory: wall time and the child's ow
 - tools/fuse_onnx.py without validation, "fold" and "last" (bound: 256 MB peak RSS, whatever the group
   size; the time is the tool's own, from loading to the written output, without Python's imports);
 - tools/fuse_onnx.py with validation, "fold" (bound: 512 MB);
-- optionally FP8 quantization (scales given: calibration is an ONNX Runtime run of the whole model) and
-  tensor-parallel sharding at TP 8 of the unfused model (bound: 512 MB);
+- optionally FP8 quantization (scales given: calibration is an ONNX Runtime run of the whole model),
+  tensor-parallel sharding at TP 8 of the unfused model, and tools/analyze.py on it (block by block above
+  3 GB; plan with --norm last: "auto" fuses the model twice and runs both whole) (bound: 512 MB);
 - optionally an FP8 TensorRT-RTX engine build (reported, no bound).
 
 Outputs are deleted after each step, so the disk holds about three copies of the model at most.
@@ -139,10 +140,15 @@ def bench_shape(
                 ROOT / "tools" / "shard_tp.py",
                 [model, "--tp", 8, "--out", folder / "tp8", "--quiet"],
             ),
+            (
+                "analysis",
+                ROOT / "tools" / "analyze.py",
+                [model, "--out", folder / "analysis", "--norm", "last", "--quiet"],
+            ),
         ):
             log(f"{name}: {step} ...")
             measured = _checked(measure(target, args), step)
-            _remove(folder / "fp8.onnx", folder / "tp8")
+            _remove(folder / "fp8.onnx", folder / "tp8", folder / "analysis")
             result.steps.append(
                 Step(
                     step,

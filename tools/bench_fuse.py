@@ -3,10 +3,10 @@
 By default it measures both shapes of issue 13 in one run, each against a copy of its own files:
   fp32-24x2048x8192-groups-of-4   4.8 GB fp32, 24 FFNs of 2048 x 8192, fused in groups of 4
   fp16-3x8192x28672-one-group     3 fp16 FFNs of Llama-70B's shape, fused in one group
-each with "fold" and "last", and, on the first, FP8 quantization and TP 8 sharding (--engine: also an FP8
-TensorRT-RTX engine build). Each step runs in a fresh child process whose own
+each with "fold" and "last", and, on the first, FP8 quantization, TP 8 sharding and tools/analyze.py
+(--engine: also an FP8 TensorRT-RTX engine build). Each step runs in a fresh child process whose own
 peak RSS is read (runtime/peak_memory.py). Bounds: fusing <= 256 MB and <= 1.2x the copy; with validation,
-FP8 and sharding <= 512 MB. Needs about 3x the model size of free disk in --workdir.
+FP8, sharding and analysis <= 512 MB. Needs about 3x the model size of free disk in --workdir.
 
   python tools/bench_fuse.py [--workdir DIR] [--json]
   python tools/bench_fuse.py --shape small:256:1024:4:2:float32 --no-stages    # a quick run
@@ -43,7 +43,9 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--shape", action="append", help="NAME:HIDDEN:FFN:BLOCKS:GROUP:DTYPE (repeatable)")
-    parser.add_argument("--no-stages", action="store_true", help="skip the FP8 and sharding measurements")
+    parser.add_argument(
+        "--no-stages", action="store_true", help="skip the FP8, sharding and analysis measurements"
+    )
     parser.add_argument(
         "--engine", action="store_true", help="also build an FP8 TensorRT-RTX engine of the first shape"
     )
