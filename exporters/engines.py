@@ -138,7 +138,10 @@ def check_fp8_source(trt: trt_shim.Trt, model: Path, log: Callable[[str], None])
         )
     log(f"checking that TensorRT parses {model.name}")
     logger = trt.logger(False)
-    tensorrt_engine.parse_onnx(trt, trt.module.Builder(logger.handle), model, logger)
+    try:
+        tensorrt_engine.parse_onnx(trt, trt.module.Builder(logger.handle), model, logger)
+    except UserError as exc:  # TensorRT's messages span lines: one line for the user
+        raise UserError(" ".join(str(exc).split())) from None
 
 
 # ------------------------------------------------------------------------------------------- inputs
