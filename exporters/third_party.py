@@ -17,7 +17,9 @@ the folder itself, loaded by transformers, is the exact torch reference of every
 
 The surgery (`drop_attention`) uses the model map: the attention sub-block's residual add is bypassed
 (for Skip*Normalization chains the FFN's norm weight moves onto the preceding SkipSimplifiedLayerNorm),
-its KV-cache inputs and outputs are removed, and the dead nodes go.
+its KV-cache inputs and outputs are removed, and the dead nodes go. GenAI's genai_config.json stays as the
+builder wrote it (30 layers): onnxruntime-genai >= 0.18 finds the cache layers by input name, at
+non-sequential indices too (tests/tools/test_third_party.py runs its generator on the folder).
 
 Optimum needs transformers < 4.58 (docs/design.md §5): it runs from its own venv, `.venv-optimum` beside the
 project (`make optimum-venv`, which `make test` depends on; `ensure_optimum_venv` creates it on demand).
