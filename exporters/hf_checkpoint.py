@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING
 import onnx_ir as ir
 
 from exporters.hf_config import DTYPES, HfConfig, decode_spec, expected_tensors, layer_kinds, read_config
+from exporters.results import ExportResult
 from passes.errors import UserError
 from passes.model_io import commit_output, staged_output
 
@@ -52,6 +53,7 @@ if TYPE_CHECKING:  # torch is imported only once the input has been checked (bad
     import torch
 
     from exporters import hf_model
+    from exporters.spec import ModelSpec
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -240,23 +242,16 @@ def _field_of(config: HfConfig, name: str) -> str:
 # ------------------------------------------------------------------------------------------- export
 
 
-@dataclass
-class HfExportResult:
-    """What `export_hf` wrote (the fields of exporters.onnx_export.ExportResult, and the checkpoint's)."""
+@dataclass(kw_only=True)
+class HfExportResult(ExportResult):
+    """What `export_hf` wrote: exporters.onnx_export.ExportResult, and the checkpoint's config and dtype."""
 
-    path: Path
-    files: list[Path]
-    bytes: int
-    seconds: float
-    parameters: int
-    opset: int
-    attention: list[bool]
     config: HfConfig
     dtype: str
     side_files: list[Path] = field(default_factory=list)
     layer_kinds: list[str] = field(default_factory=list)
-    trace_seconds: float = 0.0  # building the graph (torch.onnx.export and its optimizer)
-    write_seconds: float = 0.0  # streaming the weights into the data file (at the same time)
+    trace_seconds: float = 0.0  # building the graph: importing torch, tracing, the exporter's optimizer
+    write_seconds: float = 0.0  # streaming the weights into the data file (from the start, at the same time)
     cache_layers: list[int] = field(default_factory=list)  # decode graphs: the layers with a KV cache
 
 
@@ -298,29 +293,26 @@ def export_hf(
     spec = decode_spec(config) if decode else None
     kind = "the decode graph of " if decode else ""
     log(f"exporting {kind}{folder} to {output} ({dtype}; weights streamed from the safetensors) ...")
-    from exporters import hf_model
-
-    if spec is not None:
-        traceable = hf_model.decode_traceable(config, spec)
-    else:
-        traceable = hf_model.prefill_traceable(config, hf_model.TORCH_DTYPES[dtype])
-    _check_model_against_plan(traceable.model, sources)
     ir_dtype = _IR_DTYPES[dtype]
     placements = plan_layout(sources, int(ir_dtype.itemsize))
+    stop = threading.Event()
     with staged_output(output) as staging, ThreadPoolExecutor(max_workers=1) as pool:
         staged = staging / output.name
-        # The weights are copied while the graph is built: their names and places do not depend on it.
+        # The weights' names and places come from config.json and the safetensors headers alone, so the
+        # copy starts first and runs (in the kernel, without the GIL) while torch is imported and traced.
         writing = pool.submit(
-            write_data, staged.with_name(f"{staged.name}.data"), sources, placements, ir_dtype
+            write_data, staged.with_name(f"{staged.name}.data"), sources, placements, ir_dtype, stop
         )
-        traced = time.perf_counter()
-        onnx_model = trace_prefill(config, dtype, opset, log) if replicate and spec is None else None
-        onnx_model = onnx_model or trace(traceable, opset)
-        trace_seconds = time.perf_counter() - traced
-        onnx_model.metadata_props[METADATA_KEY] = json.dumps(describe(config, folder, dtype))
-        onnx_model.metadata_props.update(traceable.metadata)
-        attach_weights(onnx_model, placements, staged, ir_dtype)
-        write_seconds = writing.result()
+        try:
+            traced = time.perf_counter()
+            onnx_model = build_graph(config, spec, sources, dtype, opset, replicate, log)
+            trace_seconds = time.perf_counter() - traced
+            onnx_model.metadata_props[METADATA_KEY] = json.dumps(describe(config, folder, dtype))
+            attach_weights(onnx_model, placements, staged, ir_dtype)
+            write_seconds = writing.result()
+        except BaseException:
+            stop.set()  # the writer stops after its current tensor; the staging folder is removed
+            raise
         ir.save(onnx_model, staged)
         side = [staging / n for n in SIDE_FILES if (folder / n).is_file()]
         for path in side:
@@ -334,7 +326,7 @@ def export_hf(
         files=files,
         bytes=sum(f.stat().st_size for f in files),
         seconds=time.perf_counter() - start,
-        parameters=sum(p.numel() for p in traceable.model.parameters()),
+        parameters=sum(math.prod(s.shape) for s in {s.entry.name: s for s in sources.values()}.values()),
         opset=onnx_model.opset_imports.get("", 0),
         attention=config.attention_flags,
         config=config,
@@ -347,10 +339,38 @@ def export_hf(
     )
 
 
-def _check_model_against_plan(model: torch.nn.Module, sources: dict[str, WeightSource]) -> None:
+def build_graph(
+    config: HfConfig,
+    spec: ModelSpec | None,
+    sources: dict[str, WeightSource],
+    dtype: str,
+    opset: int | None,
+    replicate: bool,
+    log: Callable[[str], None],
+) -> ir.Model:
+    """The graph with value-less weights: the decode graph for a `spec`, else the prefill graph, traced
+    one layer per distinct kind and replicated when `replicate` allows (else every layer traced)."""
+    from exporters import hf_model
+
+    if spec is not None:
+        traceable = hf_model.decode_traceable(config, spec)
+    else:
+        onnx_model = trace_prefill(config, sources, dtype, opset, log) if replicate else None
+        if onnx_model is not None:
+            return onnx_model
+        traceable = hf_model.prefill_traceable(config, hf_model.TORCH_DTYPES[dtype])
+    _check_model_against_plan(traceable.model, sources)
+    return trace(traceable, opset)
+
+
+def _check_model_against_plan(
+    model: torch.nn.Module,
+    sources: dict[str, WeightSource],
+    checkpoint_name: Callable[[str], str] = lambda name: name,
+) -> None:
     """The torch model and config-derived tensor list must agree (a bug otherwise, not bad input)."""
     for name, param in model.named_parameters(remove_duplicate=False):
-        source = sources.get(name)
+        source = sources.get(checkpoint_name(name))
         if source is None or tuple(param.shape) != source.shape:
             raise RuntimeError(
                 f"internal error: model parameter {name!r} {list(param.shape)} does not match "
@@ -363,25 +383,19 @@ def trace(traceable: hf_model.Traceable, opset: int | None) -> ir.Model:
     import torch
 
     from exporters.hf_model import parameter_aliases
-    from exporters.onnx_export import quiet_export
+    from exporters.onnx_export import dynamo_export, quiet_export
 
     parameters = set(parameter_aliases(traceable.model))
-    with quiet_export() as printed, torch.no_grad(), _quiet_logger("onnx_ir"):
-        try:
-            program = torch.onnx.export(
-                traceable.model,
-                traceable.args,
-                dynamo=True,
-                opset_version=opset,
-                optimize=False,
-                input_names=traceable.input_names,
-                output_names=traceable.output_names,
-                dynamic_shapes=traceable.dynamic_shapes,
-                verbose=False,
-                report=False,
-            )
-        except Exception as exc:
-            raise RuntimeError(f"torch.onnx.export failed: {exc}\n{printed.getvalue()}") from exc
+    with quiet_export(), torch.no_grad(), _quiet_logger("onnx_ir"):
+        program = dynamo_export(
+            traceable.model,
+            traceable.args,
+            opset=opset,
+            optimize=False,
+            input_names=traceable.input_names,
+            output_names=traceable.output_names,
+            dynamic_shapes=traceable.dynamic_shapes,
+        )
         for name, value in program.model.graph.initializers.items():
             if name in traceable.buffers:
                 value.const_value = ir.tensor(traceable.buffers[name].numpy(), name=name)
@@ -392,11 +406,16 @@ def trace(traceable: hf_model.Traceable, opset: int | None) -> ir.Model:
         program.optimize()
     onnx_model = program.model
     traceable.name_dims(onnx_model)
+    onnx_model.metadata_props.update(traceable.metadata)
     return onnx_model
 
 
 def trace_prefill(
-    config: HfConfig, dtype: str, opset: int | None, log: Callable[[str], None]
+    config: HfConfig,
+    sources: dict[str, WeightSource],
+    dtype: str,
+    opset: int | None,
+    log: Callable[[str], None],
 ) -> ir.Model | None:
     """The prefill graph traced with one layer per distinct kind and replicated (None: trace it whole)."""
     from exporters import hf_model, hf_replicate
@@ -404,6 +423,10 @@ def trace_prefill(
     if not hf_replicate.worth_replicating(config):
         return None
     reduced = hf_model.prefill_traceable(hf_replicate.reduced_config(config), hf_model.TORCH_DTYPES[dtype])
+    representatives, _ = hf_replicate.kind_map(config)
+    _check_model_against_plan(
+        reduced.model, sources, lambda name: hf_replicate.representative_name(name, representatives)
+    )
     onnx_model = trace(reduced, opset)
     try:
         hf_replicate.replicate_layers(onnx_model, config)
@@ -498,8 +521,10 @@ def write_data(
 
 
 def attach_weights(model: ir.Model, placements: dict[str, Placement], path: Path, dtype: ir.DataType) -> None:
-    """Point every value-less initializer (a weight) at its place in `<path>.data`."""
+    """Point every value-less initializer (a weight) at its place in `<path>.data`; every place written
+    must be read by the graph (a bug otherwise: the data file would carry dead bytes)."""
     data_name = f"{path.name}.data"
+    attached: set[Placement] = set()
     for name, value in model.graph.initializers.items():
         if value.const_value is not None:
             continue  # a computed constant, stored inline
@@ -515,6 +540,10 @@ def attach_weights(model: ir.Model, placements: dict[str, Placement], path: Path
             name=name,
             base_dir=path.parent,
         )
+        attached.add(placement)
+    unread = sorted(n for n, p in placements.items() if p not in attached)
+    if unread:
+        raise RuntimeError(f"internal error: the graph reads no initializer for {', '.join(unread[:5])}")
 
 
 def _write_tensor(fd: int, offset: int, entry: TensorEntry, dtype: ir.DataType) -> int:

@@ -52,6 +52,15 @@ def reduced_config(config: HfConfig) -> HfConfig:
     return dataclasses.replace(config, layers=[config.layers[i] for i in representatives])
 
 
+def representative_name(name: str, representatives: list[int]) -> str:
+    """A reduced model's parameter name as the checkpoint names it (reduced layer J is full layer
+    representatives[J])."""
+    match = re.match(r"model\.layers\.(\d+)\.", name)
+    if match is None:
+        return name
+    return f"model.layers.{representatives[int(match.group(1))]}." + name[match.end() :]
+
+
 def worth_replicating(config: HfConfig) -> bool:
     representatives, _ = kind_map(config)
     return len(representatives) < len(config.layers)

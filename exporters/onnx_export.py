@@ -16,14 +16,15 @@ import time
 import types
 import warnings
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import onnx_ir as ir
 import torch
 
 from exporters.llama import build_model, count_parameters
-from exporters.spec import ModelSpec, attention_free_runs
+from exporters.results import ExportResult
+from exporters.spec import ModelSpec
 
 # Same as exporters.smollm2.PRUNED_BLOCKS (not imported here: that module imports transformers).
 PRUNED_BLOCKS: tuple[int, ...] = tuple(range(13, 23))
@@ -32,23 +33,6 @@ PRUNED_BLOCKS: tuple[int, ...] = tuple(range(13, 23))
 EXTERNAL_DATA_THRESHOLD = 2**31 - 2**26  # 2 GiB less 64 MiB of head room for the graph itself
 # Example input used for tracing; neither dim is 0 or 1, so the exporter does not specialize them.
 EXAMPLE_SHAPE = (2, 7)
-
-
-@dataclass
-class ExportResult:
-    """What `export_onnx` wrote."""
-
-    path: Path
-    files: list[Path]
-    bytes: int
-    seconds: float
-    parameters: int
-    opset: int
-    attention: list[bool] = field(default_factory=list)
-
-    @property
-    def attention_free_runs(self) -> list[tuple[int, int]]:
-        return attention_free_runs(self.attention)
 
 
 def _hf_logits_forward(self: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
@@ -98,6 +82,19 @@ def quiet_export() -> Iterator[io.StringIO]:
             lg.setLevel(level)
 
 
+def dynamo_export(module: torch.nn.Module, args: tuple, *, opset: int | None, optimize: bool,
+                  input_names: list[str], output_names: list[str], dynamic_shapes: Any) -> Any:
+    """torch.onnx.export(dynamo=True) without its prints and warnings, under torch.no_grad(); returns the
+    ONNXProgram. Raises RuntimeError with what the exporter printed if it fails."""
+    with quiet_export() as printed, torch.no_grad():
+        try:
+            return torch.onnx.export(
+                module, args, dynamo=True, opset_version=opset, optimize=optimize, input_names=input_names,
+                output_names=output_names, dynamic_shapes=dynamic_shapes, verbose=False, report=False)
+        except Exception as exc:
+            raise RuntimeError(f"torch.onnx.export failed: {exc}\n{printed.getvalue()}") from exc
+
+
 def _initializer_bytes(model: ir.Model) -> int:
     return sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
 
@@ -115,14 +112,9 @@ def export_onnx(module: torch.nn.Module, path: str | os.PathLike, *, opset: int 
     module.eval()
     example = torch.zeros(EXAMPLE_SHAPE, dtype=torch.int64)
     start = time.perf_counter()
-    with quiet_export() as printed, torch.no_grad(), _logits_only(module) as traced:
-        try:
-            program = torch.onnx.export(
-                traced, (example,), dynamo=True, opset_version=opset, optimize=True,
-                input_names=["input_ids"], output_names=["logits"],
-                dynamic_shapes={"input_ids": {0: "batch", 1: "seq"}}, verbose=False, report=False)
-        except Exception as exc:
-            raise RuntimeError(f"torch.onnx.export failed: {exc}\n{printed.getvalue()}") from exc
+    with _logits_only(module) as traced:
+        program = dynamo_export(traced, (example,), opset=opset, optimize=True, input_names=["input_ids"],
+                                output_names=["logits"], dynamic_shapes={"input_ids": {0: "batch", 1: "seq"}})
     model = program.model
     _name_dims(model)
     data_name = f"{path.name}.data"

@@ -1,12 +1,13 @@
 """Streaming benchmark of `export_model.py --hf` on a generated multi-GB nemotron-nas checkpoint.
 
 Measures, side by side and each in a fresh child process (peak RSS from /proc VmHWM): a plain copy of the
-checkpoint's safetensors files, the bf16 export, and with --convert the float16 export. Bounds: peak RSS
-<= 1 GB + the largest single tensor, time within 2x of the copy (exporters/hf_bench.py).
+checkpoint's safetensors files, the bf16 export, and with --convert the float16 export, alternating for
+--rounds rounds after one untimed copy (the page cache in the same state for each; `sync` before each).
+Bounds: peak RSS <= 1 GB + the largest single tensor, time within 2x of the copy (exporters/hf_bench.py).
 Default: hidden 2048, 72 layers (every other one attention-free), vocab 32000: about 3.8 GB bf16; needs
 about 2.5x that of free disk in --workdir (default /tmp); everything is deleted afterwards.
 
-  python tools/bench_export.py [--workdir DIR] [--convert] [--direct] [--json]
+  python tools/bench_export.py [--workdir DIR] [--rounds 2] [--convert] [--direct] [--json]
   python tools/bench_export.py --hidden 256 --layers 4 --vocab 1000     # a quick run
 """
 
@@ -34,6 +35,7 @@ def main() -> int:
     parser.add_argument(
         "--direct", action="store_true", help="also export tracing every layer (no replication)"
     )
+    parser.add_argument("--rounds", type=int, default=2, help="copy/export rounds, alternating (default 2)")
     parser.add_argument("--workdir", type=Path, help="where to write (default: a temporary folder in /tmp)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args()
@@ -49,6 +51,7 @@ def main() -> int:
             args.shards,
             args.convert,
             args.direct,
+            args.rounds,
             log=lambda m: print(m, file=sys.stderr, flush=True),
         )
     print(result.as_json() if args.json else result.report())
