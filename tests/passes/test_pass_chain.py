@@ -93,7 +93,7 @@ class _DropsAnAllReduce(ShardRank):
     ("broken", "message"),
     [
         (lambda scales: _SkipsTheRewrite(scales), "linear layer(s) left in float"),
-        (lambda scales: _DropsAnAllReduce(2, 1), "not exactly one after each row-parallel projection"),
+        (lambda scales: _DropsAnAllReduce(2, 1), "8 all-reduces for 9 residual branches"),
     ],
     ids=["fp8", "shard"],
 )
