@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import time
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,7 @@ import pytest
 import torch
 
 from exporters.hf_checkpoint import METADATA_KEY, export_hf
+from exporters.results import ExportResult
 from tests.exporters.hf_fixtures import (
     LLAMA3_ROPE,
     deci_block,
@@ -356,6 +358,7 @@ def test_replicated_layers_equal_direct_trace(tmp_path) -> None:
     messages: list[str] = []
     replicated = export_hf(folder, tmp_path / "rep" / "model.onnx", dtype="float32", log=messages.append)
     assert not any("cannot replicate" in m for m in messages), messages
+    assert isinstance(replicated, ExportResult) and replicated.attention_free_runs == [(1, 2), (5, 6), (8, 8)]
     direct = export_hf(folder, tmp_path / "direct" / "model.onnx", dtype="float32", replicate=False)
     graphs = [onnx.load(str(r.path), load_external_data=False).graph for r in (replicated, direct)]
     assert len(graphs[0].node) == len(graphs[1].node)
@@ -501,6 +504,26 @@ def test_weights_are_copied_bit_exact(nemotron_folder, nemotron_bf16) -> None:
     for name, tensor in load_file(str(shard)).items():
         stored = model.graph.initializers[name].const_value.numpy()
         assert np.array_equal(stored.view(np.uint16), tensor.view(torch.int16).numpy().view(np.uint16)), name
+
+
+def test_weights_copied_before_the_graph_and_nothing_left_on_failure(nemotron_folder, tmp_path, monkeypatch):
+    """The weight copy starts before the graph is built (in a thread); a failed graph stops it and the
+    staging folder goes, so nothing of the export stays."""
+    from exporters import hf_checkpoint
+
+    out = tmp_path / "out" / "model.onnx"
+
+    def failing_graph(*args, **kwargs):
+        deadline = time.monotonic() + 60
+        while not any(out.parent.rglob("model.onnx.data")) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert any(out.parent.rglob("model.onnx.data")), "the weight copy had not started"
+        raise RuntimeError("graph failed")
+
+    monkeypatch.setattr(hf_checkpoint, "build_graph", failing_graph)
+    with pytest.raises(RuntimeError, match="graph failed"):
+        export_hf(nemotron_folder, out)
+    assert not any(out.parent.rglob("*"))
 
 
 # ------------------------------------------------------------------------------------------ passes
