@@ -2,15 +2,16 @@
 
 torch.onnx's dynamo export costs a fixed few seconds per decoder layer, whatever its width, so tracing a
 72-layer Nemotron-NAS model takes minutes while copying its weights takes seconds. Layers with the same
-LayerConfig (attention kind, KV heads, FFN kind and width, sliding window) trace to the same subgraph up
-to their weight names, so exporters.hf_checkpoint traces a reduced model holding the first layer of each
-kind, in order, and `replicate_layers` rebuilds the full layer sequence from it:
+LayerConfig (attention kind, KV heads, FFN kind, sliding window) trace to the same subgraph up to their
+weight names and SwiGLU width (see layer_key), so exporters.hf_checkpoint traces a reduced model holding
+the first layer of each kind, in order, and `replicate_layers` rebuilds the full layer sequence from it:
 
 - Each reduced layer's nodes are found by the exporter's name scopes (`model.layers.J`); those reachable
   from the layer's residual-stream input are its body, the rest (work on cos/sin/masks that the optimizer
   may have shared between layers) stay where they are, once, as in a direct export.
 - Full layer I of kind J is a copy of body J with the stream input rewired to the previous layer's output,
-  weights renamed model.layers.J.* -> model.layers.I.* (the checkpoint's names), name scopes renamed too.
+  weights renamed model.layers.J.* -> model.layers.I.* (the checkpoint's names), name scopes renamed too,
+  and the traced SwiGLU width replaced by layer I's in the shapes of its weights and values.
 
 Any shape of graph this does not expect raises ReplicationError, and the caller traces directly instead.
 """
@@ -33,15 +34,30 @@ class ReplicationError(RuntimeError):
     """The traced graph is not a chain of self-contained layers; trace the full model instead."""
 
 
-def layer_key(layer: LayerConfig) -> tuple:
-    """What decides a layer's subgraph (the *_field names only feed error messages)."""
-    return (layer.attention, layer.kv_heads, layer.ffn, layer.ffn_width, layer.sliding_window)
+def layer_key(layer: LayerConfig, other_dims: set[int] = frozenset()) -> tuple:
+    """What decides a layer's subgraph up to its SwiGLU width (the *_field names only feed error messages).
+
+    The width appears in no constant of a layer, only in the shapes of its FFN weights and activations,
+    so layers that differ only by width share one traced layer and the copies get their own width in
+    those shapes. A width equal to another dimension of the model (`other_dims`) could not be told apart
+    in a shape: such a layer is traced with its own width.
+    """
+    width = layer.ffn_width if layer.ffn == "swiglu" and layer.ffn_width in other_dims else None
+    return (layer.attention, layer.kv_heads, layer.ffn, layer.sliding_window, width)
+
+
+def model_dims(config: HfConfig) -> set[int]:
+    """The sizes that may stand in a layer's shapes besides its SwiGLU width."""
+    kv = {layer.kv_heads for layer in config.layers}
+    head = {config.hidden, config.heads, config.head_dim, config.heads * config.head_dim, config.vocab}
+    return head | kv | {k * config.head_dim for k in kv}
 
 
 def kind_map(config: HfConfig) -> tuple[list[int], list[int]]:
     """(first layer of each distinct kind in order, the reduced layer index of every full layer)."""
     first: dict[tuple, int] = {}
-    kinds = [first.setdefault(layer_key(layer), len(first)) for layer in config.layers]
+    dims = model_dims(config)
+    kinds = [first.setdefault(layer_key(layer, dims), len(first)) for layer in config.layers]
     representatives = [kinds.index(k) for k in range(len(first))]
     return representatives, kinds
 
@@ -73,13 +89,20 @@ class _Body:
     nodes: list[ir.Node]
     stream_in: ir.Value
     stream_out: ir.Value
+    width: int | None = None  # the traced SwiGLU width, replaced in the copies' shapes
 
 
 def replicate_layers(model: ir.Model, config: HfConfig) -> None:
     """Turn the traced graph of reduced_config(config) into the graph of config, in place."""
     graph = model.graph
-    _, kinds = kind_map(config)
+    representatives, kinds = kind_map(config)
     bodies = _bodies(graph, max(kinds) + 1)
+    for kind, (body, first) in enumerate(zip(bodies, representatives, strict=True)):
+        width = config.layers[first].ffn_width
+        same = [config.layers[i].ffn_width == width for i, k in enumerate(kinds) if k == kind]
+        if config.layers[first].ffn == "swiglu" and not all(same):
+            _check_width_only_in_shapes(body, width)
+            body.width = width
     last = bodies[-1].stream_out
     in_body = {id(n) for b in bodies for n in b.nodes}
     downstream = [n for n in graph if id(n) not in in_body and any(v is last for v in n.inputs)]
@@ -89,7 +112,6 @@ def replicate_layers(model: ir.Model, config: HfConfig) -> None:
     reduced_weights = {
         v.name: v for b in bodies for n in b.nodes for v in n.inputs if v is not None and _is_weight(graph, v)
     }
-    representatives, _ = kind_map(config)
     for node in graph:  # work the optimizer shared between layers stays, under its first layer's name
         kind = _layer_of(node)
         if kind is not None and id(node) not in in_body:
@@ -102,7 +124,8 @@ def replicate_layers(model: ir.Model, config: HfConfig) -> None:
     for layer, kind in enumerate(kinds):
         body = bodies[kind]
         if body.nodes:
-            stream = _copy_body(graph, body, kind, layer, stream, copies, weights)
+            width = config.layers[layer].ffn_width
+            stream = _copy_body(graph, body, kind, layer, width, stream, copies, weights)
     for node in downstream:
         for index, value in enumerate(node.inputs):
             if value is last:
@@ -235,11 +258,14 @@ def _copy_body(
     body: _Body,
     kind: int,
     layer: int,
+    width: int,
     stream: ir.Value,
     copies: list[ir.Node],
     weights: dict[str, ir.Value],
 ) -> ir.Value:
-    """Append to `copies` body `kind` as layer `layer`, reading `stream`; returns its output."""
+    """Append to `copies` body `kind` as layer `layer` (SwiGLU width `width`), reading `stream`; returns
+    its output."""
+    sizes = {body.width: width} if body.width is not None else {}
     mapping: dict[int, ir.Value] = {id(body.stream_in): stream}
     prefix = f"model.layers.{kind}."
     for node in body.nodes:
@@ -248,11 +274,13 @@ def _copy_body(
             if value is not None and id(value) not in mapping and _is_weight(graph, value):
                 name = f"model.layers.{layer}." + value.name.removeprefix(prefix)
                 if name not in weights:
-                    weights[name] = ir.Value(name=name, shape=_copy_shape(value.shape), type=value.type)
+                    weights[name] = ir.Value(
+                        name=name, shape=_copy_shape(value.shape, sizes), type=value.type
+                    )
                 mapping[id(value)] = weights[name]
             inputs.append(mapping.get(id(value), value) if value is not None else None)
         outputs = [
-            ir.Value(name=f"layers.{layer}/{v.name}", shape=_copy_shape(v.shape), type=v.type)
+            ir.Value(name=f"layers.{layer}/{v.name}", shape=_copy_shape(v.shape, sizes), type=v.type)
             for v in node.outputs
         ]
         mapping.update((id(old), new) for old, new in zip(node.outputs, outputs, strict=True))
@@ -273,8 +301,24 @@ def _copy_body(
     return mapping[id(body.stream_out)]
 
 
-def _copy_shape(shape: ir.Shape | None) -> ir.Shape | None:
-    return None if shape is None else ir.Shape(list(shape))
+def _copy_shape(shape: ir.Shape | None, sizes: dict[int, int]) -> ir.Shape | None:
+    """A copy of `shape` with static dims replaced as `sizes` says (the traced width by the layer's)."""
+    if shape is None:
+        return None
+    return ir.Shape([sizes.get(d, d) if isinstance(d, int) else d for d in shape])
+
+
+def _check_width_only_in_shapes(body: _Body, width: int) -> None:
+    """The traced width must stand in no attribute or constant of the body, or the copies would keep it."""
+    for node in body.nodes:
+        for attr in node.attributes.values():
+            values = attr.value if isinstance(attr.value, (list, tuple)) else [attr.value]
+            if any(isinstance(v, int) and v == width for v in values):
+                raise ReplicationError(f"node {node.name} has the FFN width {width} in attribute {attr.name}")
+        for value in node.inputs:
+            const = None if value is None or value.producer() is not None else value.const_value
+            if const is not None and const.size <= 64 and width in const.numpy().ravel().tolist():
+                raise ReplicationError(f"node {node.name} reads the FFN width {width} from {value.name}")
 
 
 def _rename_scope(text: str, kind: int, layer: int) -> str:

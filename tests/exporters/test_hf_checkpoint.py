@@ -338,18 +338,59 @@ REPLICATED_BLOCKS = [
 ]
 
 
-def _scoped_ops(path: Path) -> dict[tuple[str, str], int]:
-    """(innermost model.layers.N scope or "", op type) -> count, from the exporter's name scopes."""
+def _scoped_ops(path: Path) -> dict[tuple[str, str, str], int]:
+    """(innermost model.layers.N scope or "", op type, output shapes) -> count, from the exporter's name
+    scopes and the graph's value shapes."""
     import re
     from collections import Counter
 
     graph = onnx.load(str(path), load_external_data=False).graph
+    shapes = {
+        v.name: str([d.dim_value or d.dim_param for d in v.type.tensor_type.shape.dim])
+        for v in [*graph.value_info, *graph.output]
+    }
     counts: Counter = Counter()
     for node in graph.node:
         scopes = {p.key: p.value for p in node.metadata_props}.get("pkg.torch.onnx.name_scopes", "")
         layer = re.search(r"'(model\.layers\.\d+)'", scopes)
-        counts[(layer.group(1) if layer else "", node.op_type)] += 1
+        outputs = " ".join(shapes.get(o, "?") for o in node.output)
+        counts[(layer.group(1) if layer else "", node.op_type, outputs)] += 1
     return dict(counts)
+
+
+# SwiGLU widths that differ within one structure (traced once, the width replaced in the copies' shapes),
+# and a width equal to the hidden size (traced with its own width): hidden 256 gives ffn_mult 1.0 -> 256,
+# 2.0 -> 512, 5.25 -> 1024.
+WIDTH_BLOCKS = [
+    deci_block(4, 2.0),
+    deci_block("no_op", 5.25),
+    deci_block(4, 5.25),
+    deci_block("no_op", 2.0),
+    deci_block(4, 1.0),
+    deci_block("no_op", 1.0),
+    deci_block(4, 2.0),
+]
+
+
+def test_replicated_widths_equal_direct_trace(tmp_path) -> None:
+    from exporters.hf_config import read_config
+    from exporters.hf_replicate import kind_map
+
+    config = nemotron_config(WIDTH_BLOCKS, hidden=256, heads=4, vocab=VOCAB, rope_scaling=NEMOTRON_ROPE)
+    folder = write_nemotron(tmp_path / "ckpt", config, shards=1, seed=5)
+    assert kind_map(read_config(folder))[1] == [0, 1, 0, 1, 2, 3, 0]  # width 256 = hidden: own kinds
+    messages: list[str] = []
+    replicated = export_hf(folder, tmp_path / "rep" / "model.onnx", dtype="float32", log=messages.append)
+    assert not any("cannot replicate" in m for m in messages), messages
+    direct = export_hf(folder, tmp_path / "direct" / "model.onnx", dtype="float32", replicate=False)
+    ops = _scoped_ops(replicated.path)
+    assert ops == _scoped_ops(direct.path)
+    assert ("model.layers.2", "MatMul", "['batch', 'seq', 1024]") in ops  # traced at 512
+    ids = tokens()
+    got, want = run_onnx(replicated.path, ids), run_onnx(direct.path, ids)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    expected = reference_logits(folder, ids)
+    assert np.abs(got - expected).max() <= TOLERANCE * max(1.0, np.abs(expected).max())
 
 
 def test_replicated_layers_equal_direct_trace(tmp_path) -> None:
@@ -367,7 +408,7 @@ def test_replicated_layers_equal_direct_trace(tmp_path) -> None:
     assert weights[0] == weights[1] and "model.layers.9.self_attn.q_proj.weight" in weights[0]
     assert len(graphs[0].initializer) == len(graphs[1].initializer)
     assert any(n.name.startswith("layers.9/") for n in graphs[0].node)  # layer 9 is a copy of layer 0
-    assert _scoped_ops(replicated.path) == _scoped_ops(direct.path)  # per-layer ops, name scopes renamed
+    assert _scoped_ops(replicated.path) == _scoped_ops(direct.path)  # per-layer ops and shapes
     ids = tokens()
     got, want = run_onnx(replicated.path, ids), run_onnx(direct.path, ids)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
