@@ -97,13 +97,13 @@ def main(argv: list[str] | None = None) -> int:
         f"{analysis.block_evaluations} block evaluations in {elapsed:.1f} s"
     )
     reference_logits = runner.logits
+    barriers = [b.fusion_barrier for b in runner.blocks]  # attention, or a Linear-replaced branch
     runner.close()
     del runner  # its subgraphs and sessions hold the weights; the trial fusions load them again
     gc.collect()
-    attention = [b.attention for b in analysis.blocks]
     healed = _healed_costs(args) if args.heal else None
     proposal = propose(
-        attention,
+        barriers,
         [b.ffn_width for b in analysis.blocks],
         analysis.dependency,
         threshold=args.heal_threshold if healed else args.threshold,
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "plan.json").write_text(plan.to_json() + "\n")
     shown = ", ".join(f"[{i}, {j}]" for i, j in groups) or "none"
     title = f"Block dependency: {args.model.name} ({analysis.tokens} tokens)\nproposed groups: {shown}"
-    plot_dependency(analysis.dependency, attention, groups, args.out / "dependency.png", title)
+    plot_dependency(analysis.dependency, barriers, groups, args.out / "dependency.png", title)
     print(f"plan: {plan.to_json()}")
     print(f"wrote {args.out / 'analysis.json'}, {args.out / 'dependency.png'}, {args.out / 'plan.json'}")
     print(f"total time {time.perf_counter() - start:.1f} s")

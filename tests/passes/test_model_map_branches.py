@@ -118,3 +118,18 @@ def test_show_blocks_marks_linear_barriers(tool, linear_nemotron) -> None:
     result = tool("fuse_onnx", linear_nemotron[1], "--show-blocks", check=True)
     assert "stream: A-LLA--" in result.stdout
     assert "attention-free runs: 5-6 (2 blocks)" in result.stdout  # 1-3 would cross the Linear branches
+
+
+def test_analyze_never_proposes_across_a_linear_branch(tool, linear_nemotron, tmp_path) -> None:
+    """Proposal runs stop at Linear branches as at attention: with every dependency allowed, the old
+    attention-only runs would propose [1, 2] across the Linear attention of block 2."""
+    import json
+
+    ids = tmp_path / "ids.npy"
+    np.save(ids, _tokens(1).reshape(-1))
+    out = tmp_path / "analysis"
+    args = ("--tokens", ids, "--num-tokens", 18, "--window", 9, "--threshold", 100, "--norm", "last")
+    result = tool("analyze", linear_nemotron[1], "--out", out, *args, check=True)
+    groups = json.loads((out / "plan.json").read_text())["groups"]
+    barriers = {2, 3}  # blocks preceded by a Linear branch; 0 and 4 have attention
+    assert all(not (barriers | {0, 4}) & set(range(i + 1, j + 1)) for i, j in groups), result.stdout
