@@ -372,6 +372,22 @@ WIDTH_BLOCKS = [
 ]
 
 
+def _replicated_and_direct(folder: Path, tmp_path: Path) -> tuple:
+    """Both exports of `folder` (float32); the replicated one must not fall back, and both must give the
+    same per-layer ops and shapes and the same logits, which match the independent reference."""
+    messages: list[str] = []
+    replicated = export_hf(folder, tmp_path / "rep" / "model.onnx", dtype="float32", log=messages.append)
+    assert not any("cannot replicate" in m for m in messages), messages
+    direct = export_hf(folder, tmp_path / "direct" / "model.onnx", dtype="float32", replicate=False)
+    assert _scoped_ops(replicated.path) == _scoped_ops(direct.path)  # per-layer ops and shapes
+    ids = tokens()
+    got, want = run_onnx(replicated.path, ids), run_onnx(direct.path, ids)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    expected = reference_logits(folder, ids)
+    assert np.abs(got - expected).max() <= TOLERANCE * max(1.0, np.abs(expected).max())
+    return replicated, direct
+
+
 def test_replicated_widths_equal_direct_trace(tmp_path) -> None:
     from exporters.hf_config import read_config
     from exporters.hf_replicate import kind_map
@@ -379,28 +395,15 @@ def test_replicated_widths_equal_direct_trace(tmp_path) -> None:
     config = nemotron_config(WIDTH_BLOCKS, hidden=256, heads=4, vocab=VOCAB, rope_scaling=NEMOTRON_ROPE)
     folder = write_nemotron(tmp_path / "ckpt", config, shards=1, seed=5)
     assert kind_map(read_config(folder))[1] == [0, 1, 0, 1, 2, 3, 0]  # width 256 = hidden: own kinds
-    messages: list[str] = []
-    replicated = export_hf(folder, tmp_path / "rep" / "model.onnx", dtype="float32", log=messages.append)
-    assert not any("cannot replicate" in m for m in messages), messages
-    direct = export_hf(folder, tmp_path / "direct" / "model.onnx", dtype="float32", replicate=False)
-    ops = _scoped_ops(replicated.path)
-    assert ops == _scoped_ops(direct.path)
-    assert ("model.layers.2", "MatMul", "['batch', 'seq', 1024]") in ops  # traced at 512
-    ids = tokens()
-    got, want = run_onnx(replicated.path, ids), run_onnx(direct.path, ids)
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
-    expected = reference_logits(folder, ids)
-    assert np.abs(got - expected).max() <= TOLERANCE * max(1.0, np.abs(expected).max())
+    replicated, _ = _replicated_and_direct(folder, tmp_path)
+    assert ("model.layers.2", "MatMul", "['batch', 'seq', 1024]") in _scoped_ops(replicated.path)  # not 512
 
 
 def test_replicated_layers_equal_direct_trace(tmp_path) -> None:
     config = nemotron_config(REPLICATED_BLOCKS, hidden=64, heads=4, vocab=VOCAB, rope_scaling=NEMOTRON_ROPE)
     folder = write_nemotron(tmp_path / "ckpt", config, shards=2, seed=3)
-    messages: list[str] = []
-    replicated = export_hf(folder, tmp_path / "rep" / "model.onnx", dtype="float32", log=messages.append)
-    assert not any("cannot replicate" in m for m in messages), messages
+    replicated, direct = _replicated_and_direct(folder, tmp_path)
     assert isinstance(replicated, ExportResult) and replicated.attention_free_runs == [(1, 2), (5, 6), (8, 8)]
-    direct = export_hf(folder, tmp_path / "direct" / "model.onnx", dtype="float32", replicate=False)
     graphs = [onnx.load(str(r.path), load_external_data=False).graph for r in (replicated, direct)]
     assert len(graphs[0].node) == len(graphs[1].node)
     external = onnx.TensorProto.EXTERNAL
@@ -408,12 +411,6 @@ def test_replicated_layers_equal_direct_trace(tmp_path) -> None:
     assert weights[0] == weights[1] and "model.layers.9.self_attn.q_proj.weight" in weights[0]
     assert len(graphs[0].initializer) == len(graphs[1].initializer)
     assert any(n.name.startswith("layers.9/") for n in graphs[0].node)  # layer 9 is a copy of layer 0
-    assert _scoped_ops(replicated.path) == _scoped_ops(direct.path)  # per-layer ops and shapes
-    ids = tokens()
-    got, want = run_onnx(replicated.path, ids), run_onnx(direct.path, ids)
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
-    expected = reference_logits(folder, ids)
-    assert np.abs(got - expected).max() <= TOLERANCE * max(1.0, np.abs(expected).max())
 
 
 def test_llama_with_dropped_attention_matches_transformers(llama_dropped) -> None:
