@@ -180,7 +180,7 @@ def stream_names(proto: onnx.ModelProto, blocks: list[Block]) -> list[tuple[str,
     return names
 
 
-def _split_skip_norms(proto: onnx.ModelProto, starts: list[str]) -> None:
+def split_skip_norms(proto: onnx.ModelProto, starts: list[str]) -> None:
     """A block that starts at a Skip*Normalization's sum (output 3) also reads its normalized output 0,
     which the same node computes from the previous block's values. Give such a block its own norm:
     consumers of output 0 read a plain (Simplified)LayerNormalization of the sum instead (same weights)."""
@@ -212,10 +212,10 @@ def cut_blocks(path: Path, blocks: list[Block], proto: onnx.ModelProto) -> list[
     """One subgraph per block (onnx.utils.Extractor on the proto; weights stay where they are).
 
     Stream tensors whose type shape inference left unknown get the embedding output's type in `proto`;
-    fused Skip*Normalization nodes at block boundaries are split in `proto` (see _split_skip_norms).
+    fused Skip*Normalization nodes at block boundaries are split in `proto` (see split_skip_norms).
     """
     names = stream_names(proto, blocks)
-    _split_skip_norms(proto, [start for start, _ in names[1:]])
+    split_skip_norms(proto, [start for start, _ in names[1:]])
     graph = _Graph(proto)
     stream = graph.forward_cone(names[0][0], values_only=True)
     sides = []

@@ -21,7 +21,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from passes.analysis import _split_skip_norms, stream_names
+from passes.analysis import split_skip_norms, stream_names
 from passes.blocks import Block, find_blocks, vocab_size
 from passes.errors import UserError
 from passes.fuse import PLAN_METADATA_KEY
@@ -129,7 +129,7 @@ def validate(
         report = ValidationReport("per group")
         # A group's FFN starting at a Skip*Normalization's sum gets its own norm of the sum (as the runner
         # cuts blocks): otherwise its subgraph would reach back through the node into the whole prefix.
-        _split_skip_norms(proto, [block.ffn_input.name for _, _, block, _ in checks])
+        split_skip_norms(proto, [block.ffn_input.name for _, _, block, _ in checks])
         report.groups = [_check_group_alone(proto, fused, *check, plan.norm) for check in checks]
     else:
         report = _check_whole_model(original, fused, proto, checks, plan.norm, tokens, original_blocks)
