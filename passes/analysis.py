@@ -285,6 +285,7 @@ class BlockRunner:
         self._attention: dict[int, tuple[list[str], ort.InferenceSession]] = {}
         self.side: dict[str, np.ndarray] = {}
         self.logits: np.ndarray | None = None
+        self._tail: tuple[list[str], onnx.ModelProto] | None = None
 
     @property
     def vocab(self) -> int:
@@ -305,10 +306,25 @@ class BlockRunner:
     def _stream_names(self) -> list[str]:
         return [c.input_name for c in self.cuts] + [self.cuts[-1].output_name]
 
+    def _side_names(self) -> list[str]:
+        """Every side tensor a streaming capture needs: the blocks' and the tail's."""
+        return sorted({n for c in self.cuts for n in c.side_inputs} | set(self._tail_cut()[0]))
+
+    def _tail_cut(self) -> tuple[list[str], onnx.ModelProto]:
+        """The graph after the last block: its side inputs and the subgraph last stream -> logits (the final
+        norm and the lm_head; one matrix of weights). A final Skip*Normalization whose sum ends the last
+        block is split first (split_skip_norms), so that its norm reads the stream."""
+        if self._tail is None:
+            last, logits = self.cuts[-1].output_name, self.proto.graph.output[0].name
+            split_skip_norms(self.proto, [last])
+            side = _Graph(self.proto).block_side_inputs(last, logits)
+            self._tail = (side, onnx.utils.Extractor(self.proto).extract_model([last, *side], [logits]))
+        return self._tail
+
     def _prefix(self) -> ort.InferenceSession:
-        """The graph from its inputs to the first block's input and every block's side tensors (the
-        embedding, rotary tables, masks): what a streaming capture runs before the blocks."""
-        sides = sorted({n for c in self.cuts for n in c.side_inputs})
+        """The graph from its inputs to the first block's input and every side tensor (the embedding,
+        rotary tables, masks): what a streaming capture runs before the blocks."""
+        sides = self._side_names()
         inputs = [v.name for v in self.proto.graph.input]
         sub = onnx.utils.Extractor(self.proto).extract_model(inputs, [self.cuts[0].input_name, *sides])
         produced = {out for node in sub.graph.node for out in node.output}
@@ -322,7 +338,7 @@ class BlockRunner:
         """capture() block by block: the prefix, then each block's subgraph, one block loaded at a time."""
         extra = set(extra)
         feed = input_feed(self.proto, tokens)
-        sides = sorted({n for c in self.cuts for n in c.side_inputs})
+        sides = self._side_names()
         prefix = self._prefix()
         values = prefix.run(None, feed)
         del prefix
@@ -346,9 +362,15 @@ class BlockRunner:
             x = outputs[self.cuts[k].output_name] = self.run_block(k, x)
         self._sessions.clear()
         self._attention.clear()
-        self.logits = None
+        self.logits = None if only else self._run_tail(x)
         outputs.update(feed)
         return outputs
+
+    def _run_tail(self, stream: np.ndarray) -> np.ndarray:
+        side, proto = self._tail_cut()
+        tail = session(proto, self.path.parent, self.threads, prepack=False)
+        feed = {self.cuts[-1].output_name: stream, **{n: self.side[n] for n in side}}
+        return np.array(tail.run(None, feed)[0])
 
     def capture(
         self, tokens: np.ndarray, extra: Iterable[str] = (), only: bool = False
@@ -356,7 +378,8 @@ class BlockRunner:
         """Run the whole model once; keep logits, every block's input/output, all side tensors and the
         `extra` values (e.g. the stream entering a block's FFN, after its attention). With `only`, keep
         just the side tensors and `extra` (no logits): ONNX Runtime then skips the blocks after the last
-        value asked for, and the lm_head. Streaming runners never hold the whole model: no logits."""
+        value asked for, and the lm_head. Streaming runners never hold the whole model: they run the prefix,
+        each block and the tail (final norm and lm_head) one after the other."""
         if self.streaming:
             return self._capture_streaming(tokens, extra, only)
         proto = self.proto
@@ -391,6 +414,7 @@ class BlockRunner:
         self._attention.clear()
         self.cuts = []
         self.proto = onnx.ModelProto()
+        self._tail = None
 
     def run_attention(self, k: int, stream: np.ndarray) -> np.ndarray:
         """The stream entering block k's FFN (after its attention sub-block) for block input `stream`."""
@@ -415,6 +439,18 @@ class BlockRunner:
         # A copy: ONNX Runtime's output array keeps the memory of the run it came from (the session's arena)
         # alive after the session is released; the analysis keeps every block's streams.
         return np.array(self.block_session(k).run(None, feed)[0])
+
+
+def model_logits(model_path: str | Path, tokens: np.ndarray, threads: int = 0) -> np.ndarray:
+    """The model's first output (logits) on `tokens`: one whole-model session, or above STREAMING_BYTES of
+    weights block by block (BlockRunner streaming), so that a model larger than RAM is never loaded whole."""
+    path = Path(model_path)
+    if weight_bytes(load_model(path)) <= STREAMING_BYTES:
+        proto = load_proto(path)
+        return session(proto, path.parent, threads).run(None, input_feed(proto, tokens))[0]
+    runner = BlockRunner(path, threads, streaming=True)
+    runner.capture(tokens)
+    return runner.logits
 
 
 # ---------------------------------------------------------------------------------------------- metrics

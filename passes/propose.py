@@ -243,9 +243,8 @@ def choose_norm(
 ) -> NormChoice:
     """Fuse with each norm mode into temporary files in `workdir`, compare logits with the original on
     `tokens`, and pick the mode with the lower relative error. No groups: "last", nothing measured."""
-    from passes.analysis import input_feed, session
+    from passes.analysis import model_logits
     from passes.metrics import cosine, l2_relative_error
-    from passes.model_io import load_proto
     from passes.pipeline import fuse_file
 
     model_path = Path(model_path)
@@ -253,19 +252,16 @@ def choose_norm(
     if not groups:
         return choice
     if reference_logits is None:
-        proto = load_proto(model_path)
-        reference_logits = session(proto, model_path.parent).run(None, input_feed(proto, tokens))[0]
+        reference_logits = model_logits(model_path, tokens)
     with tempfile.TemporaryDirectory(dir=workdir, prefix=".norm-choice.") as tmp:
         for mode in NORM_MODES:
             fused = Path(tmp) / f"fused-{mode}.onnx"
             log(f"fusing with norm={mode!r} to measure its error")
             fuse_file(model_path, Plan(tuple(groups), mode), fused, validate_output=True, tokens=tokens)
-            proto = load_proto(fused)
-            logits = session(proto, fused.parent).run(None, input_feed(proto, tokens))[0]
+            logits = model_logits(fused, tokens)
             choice.errors[mode] = {
                 "logits_rel_error": l2_relative_error(logits, reference_logits),
                 "logits_cosine": cosine(logits, reference_logits),
             }
-            del proto
     choice.chosen = min(choice.errors, key=lambda m: choice.errors[m]["logits_rel_error"])
     return choice

@@ -49,7 +49,24 @@ def test_streaming_analysis_equals_whole_model(model, monkeypatch):
     streamed = analyze(model, tokens, progress=False, runner=runner)
     assert sessions.peak == 1  # one block (or the prefix) at a time, never the whole model
     np.testing.assert_allclose(streamed.dependency, whole.dependency, rtol=1e-5, atol=1e-7)
-    assert runner.logits is None and streamed.chain_rel_error < 1e-6
+    assert streamed.chain_rel_error < 1e-6
+    whole_logits = BlockRunner(model, streaming=False)
+    whole_logits.capture(tokens)
+    np.testing.assert_allclose(runner.logits, whole_logits.logits, rtol=1e-5, atol=1e-5)  # through the tail
+
+
+def test_streaming_logits_of_a_skip_norm_graph(skip_norm_model, monkeypatch):
+    """The final SkipSimplifiedLayerNormalization both ends the last block (its sum) and starts the tail
+    (its normalized output): the streamed tail splits it and still gives the model's logits."""
+    tokens = np.random.default_rng(2).integers(0, 64, (2, 12))
+    whole = BlockRunner(skip_norm_model, streaming=False)
+    whole.capture(tokens)
+    sessions = _LiveSessions(monkeypatch)
+    assert np.allclose(analysis.model_logits(skip_norm_model, tokens), whole.logits, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(analysis, "STREAMING_BYTES", 0)
+    streamed = analysis.model_logits(skip_norm_model, tokens)
+    assert sessions.peak == 1
+    np.testing.assert_allclose(streamed, whole.logits, rtol=1e-5, atol=1e-5)
 
 
 def test_streaming_capture_keeps_what_is_asked(model, monkeypatch):

@@ -160,6 +160,34 @@ def test_choose_norm_measures_both_modes(model, tmp_path):
     assert choose_norm(model, [], tokens, tmp_path).chosen == "last"
 
 
+def test_choose_norm_streams_large_models(model, tmp_path, monkeypatch):
+    """Above STREAMING_BYTES the original and both fused models run block by block (models larger than
+    RAM), with the same errors as whole-model sessions."""
+    from passes import analysis
+
+    tokens = np.random.default_rng(0).integers(0, 64, (2, 10))
+    whole = choose_norm(model, [(1, 3)], tokens, tmp_path)
+    streamed_runs = []
+    monkeypatch.setattr(analysis, "STREAMING_BYTES", 0)
+    tail = _recorded(analysis.BlockRunner._run_tail, streamed_runs)
+    monkeypatch.setattr(analysis.BlockRunner, "_run_tail", tail)
+    streamed = choose_norm(model, [(1, 3)], tokens, tmp_path)
+    assert len(streamed_runs) == 3  # the original and the two fused models
+    for mode in ("last", "fold"):
+        assert streamed.errors[mode]["logits_rel_error"] == pytest.approx(
+            whole.errors[mode]["logits_rel_error"], rel=1e-4
+        )
+    assert streamed.chosen == whole.chosen
+
+
+def _recorded(method, calls: list):
+    def wrapper(self, *args):
+        calls.append(self.path.name)
+        return method(self, *args)
+
+    return wrapper
+
+
 def _tool(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT, timeout=300)
 

@@ -5,31 +5,11 @@ output 3 is the stream entering it."""
 
 from __future__ import annotations
 
-import onnx
 import pytest
 
 import passes.validate
-from exporters.synthetic import SyntheticSpec, build_synthetic
-from passes.blocks import find_blocks
-from passes.model_io import load_model
 from passes.pipeline import fuse_file
 from passes.plan import Plan
-
-BLOCKS = [(False, 12), (False, 16), (False, 24), (False, 20)]
-
-
-@pytest.fixture(scope="module")
-def skip_norm_model(tmp_path_factory):
-    """A Skip*Norm decoder whose final SkipSimplifiedLayerNormalization has only its normalized output,
-    as ONNX Runtime's optimizer writes it."""
-    path = tmp_path_factory.mktemp("skip") / "model.onnx"
-    build_synthetic(SyntheticSpec(norm="skip_simplified_ln", blocks=BLOCKS, seed=3), path, external=True)
-    proto = onnx.load(str(path), load_external_data=False)
-    final = [n for n in proto.graph.node if n.op_type == "SkipSimplifiedLayerNormalization"][-1]
-    del final.output[1:]
-    onnx.save(proto, str(path))
-    assert find_blocks(load_model(path))[-1].residual.output is None
-    return path
 
 
 @pytest.mark.parametrize("whole_model", [True, False], ids=["whole-model", "per-group"])
