@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 from collections.abc import Callable
-
-import onnx_ir as ir
+from typing import Any
 
 # A bug, not bad input: a distinct exit status, and the traceback only when this variable is set.
 INTERNAL_ERROR_STATUS = 3
@@ -17,9 +17,28 @@ class UserError(Exception):
     """Bad input that the user can fix; the message says what is wrong and how to fix it."""
 
 
-class PassInputError(UserError, ir.passes.PreconditionError):
-    """A pass's `requires` refusing its input model: a UserError (exit 2), and a PreconditionError, which
-    onnx-ir's PassBase lets through unwrapped (it wraps any other exception from `requires`)."""
+# A full disk or quota is the environment, not a bug: exit 2 with what to do, no traceback.
+NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+_pass_input_error: type[UserError] | None = None
+
+
+def __getattr__(name: str) -> Any:
+    """PassInputError, made on first use: its base comes from onnx_ir (~1.5 s to import), which a tool's
+    --help and early errors should not pay."""
+    global _pass_input_error
+    if name != "PassInputError":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if _pass_input_error is None:
+        import onnx_ir as ir
+
+        class PassInputError(UserError, ir.passes.PreconditionError):
+            """A pass's `requires` refusing its input model: a UserError (exit 2), and a PreconditionError,
+            which onnx-ir's PassBase lets through unwrapped (it wraps any other exception from `requires`)."""
+
+        PassInputError.__module__, PassInputError.__qualname__ = __name__, "PassInputError"
+        _pass_input_error = PassInputError
+    return _pass_input_error
 
 
 def user_error_in(exc: BaseException) -> UserError | None:
@@ -30,6 +49,23 @@ def user_error_in(exc: BaseException) -> UserError | None:
             return exc
         exc, seen = exc.__cause__, seen + 1
     return None
+
+
+def no_space_error_in(exc: BaseException) -> OSError | None:
+    """The OSError(ENOSPC or EDQUOT) behind `exc`, through its causes and the exceptions it interrupted."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, OSError) and exc.errno in NO_SPACE_ERRNOS:
+            return exc
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return None
+
+
+def describe_no_space(exc: OSError) -> str:
+    """`no space left on device writing PATH: ...`; the path only when the OSError knows it."""
+    what = "no space left on device" if exc.errno == errno.ENOSPC else "disk quota exceeded"
+    where = f" writing {exc.filename}" if exc.filename else ""
+    return f"{what}{where}: free space or choose another output folder"
 
 
 def run_cli(main: Callable[[], int | None]) -> None:
@@ -45,6 +81,9 @@ def run_cli(main: Callable[[], int | None]) -> None:
     except Exception as exc:  # a failed pass post-condition or any other bug: one line, no traceback
         if (user := user_error_in(exc)) is not None:  # bad input, refused by a pass inside a PassManager
             print(f"error: {user}", file=sys.stderr)
+            sys.exit(2)
+        if (full := no_space_error_in(exc)) is not None:
+            print(f"error: {describe_no_space(full)}", file=sys.stderr)
             sys.exit(2)
         if os.environ.get(TRACEBACK_VARIABLE):
             raise
