@@ -20,7 +20,7 @@ import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from passes.blocks import Block, find_blocks
-from passes.errors import UserError
+from passes.errors import PassInputError, UserError
 from passes.graph import strip_cast
 from passes.patterns.swiglu import NBits, Weight
 from passes.plan import Plan, validate_plan
@@ -30,15 +30,33 @@ PLAN_METADATA_KEY = "ffn_fusion.plan"
 
 
 class FuseFFNGroups(ir.passes.InPlacePass):
-    """Rewrite every group of the plan into one wide SwiGLU FFN; record the plan in the metadata."""
+    """Rewrite every group of the plan into one wide SwiGLU FFN; record the plan in the metadata.
+
+    requires: SwiGLU blocks that the plan fits (passes.plan.validate_plan) and, in every group, weights that
+    concatenate (int4 MatMulNBits: "last" only, one layout, a block size dividing every down K): else a
+    PassInputError (a UserError) before anything is rewritten, so a refused plan leaves the model as it was.
+    ensures: the plan's groups are one block each (blocks before - removed FFNs).
+    """
 
     def __init__(self, plan: Plan):
         super().__init__()
         self.plan = plan
+        self._checked: tuple[ir.Model, list[Block]] | None = None  # the blocks `requires` found, for `call`
+
+    def requires(self, model: ir.Model) -> None:
+        try:
+            blocks = find_blocks(model)
+            validate_plan(self.plan, blocks)
+            for first, last in self.plan.groups:
+                _check_group(blocks[first : last + 1], self.plan.norm)
+        except UserError as exc:
+            raise PassInputError(str(exc)) from None
+        self._checked = (model, blocks)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        blocks = find_blocks(model)
-        validate_plan(self.plan, blocks)
+        if self._checked is None or self._checked[0] is not model:  # PassBase runs `requires` just before
+            self.requires(model)
+        blocks, self._checked = self._checked[1], None
         self._expected_blocks = len(blocks) - self.plan.removed_ffns
         for first, last in self.plan.groups:
             _fuse_group(model.graph, blocks[first : last + 1], self.plan.norm)
@@ -54,15 +72,29 @@ class FuseFFNGroups(ir.passes.InPlacePass):
             raise AssertionError(f"fused model has {count} blocks, expected {self._expected_blocks}")
 
 
-def _fuse_group(graph: ir.Graph, group: list[Block], mode: str) -> None:
+OUT, IN = "out", "in"  # gate/up are concatenated along their output dimension, down along its input
+ROLES = (("gate", OUT), ("up", OUT), ("down", IN))
+
+
+def _check_group(group: list[Block], mode: str) -> None:
+    """A UserError when the group's weights cannot be concatenated into one FFN (checked before rewriting)."""
     first, last = group[0], group[-1]
     prefix = f"ffn_fusion.{first.index}_{last.index}"
-    gates, ups, downs = ([getattr(b.ffn, role) for b in group] for role in ("gate", "up", "down"))
-    if any(w.nbits is not None for w in (*gates, *ups, *downs)) and mode == "fold":
+    weights = {role: [getattr(b.ffn, role) for b in group] for role, _ in ROLES}
+    if mode == "fold" and any(w.nbits is not None for role in weights.values() for w in role):
         raise UserError(
             f'group [{first.index}, {last.index}]: "fold" cannot fold norm weights into int4 MatMulNBits '
             'weights exactly; use "norm": "last"'
         )
+    for role, along in ROLES:
+        if any(w.nbits is not None for w in weights[role]):
+            _check_nbits(f"{prefix}.{role}_proj", weights[role], along)
+
+
+def _fuse_group(graph: ir.Graph, group: list[Block], mode: str) -> None:
+    first, last = group[0], group[-1]
+    prefix = f"ffn_fusion.{first.index}_{last.index}"
+    gates, ups, downs = ([getattr(b.ffn, role) for b in group] for role, _ in ROLES)
     z, row_scales = _shared_norm(graph, group, mode, prefix)
     gate = _fused_linear(graph, f"{prefix}.gate_proj", gates, OUT, row_scales)
     up = _fused_linear(graph, f"{prefix}.up_proj", ups, OUT, row_scales)
@@ -93,9 +125,6 @@ def _shared_norm(
     graph.register_initializer(ones)
     node.replace_input_with(slot, ones)
     return norm.output, row_scales
-
-
-OUT, IN = "out", "in"  # gate/up are concatenated along their output dimension, down along its input
 
 
 @dataclass(frozen=True)
@@ -138,9 +167,9 @@ def _float_part(weight: Weight, transposed: bool, scale: np.ndarray | None) -> P
     )
 
 
-def _fused_nbits(graph: ir.Graph, name: str, weights: list[Weight], along: str) -> FusedLinear:
-    """MatMulNBits parts concatenated along N (gate/up: their packed rows one after the other) or along K
-    (down: each row's blocks side by side, exact when block_size divides every part's K)."""
+def _check_nbits(name: str, weights: list[Weight], along: str) -> None:
+    """MatMulNBits parts concatenate along N when they share bits, block size and K; along K when they
+    share N and block_size divides every part's K; and either way when they store zero points alike."""
     if any(w.nbits is None for w in weights):
         raise UserError(f"{name}: the group mixes int4 MatMulNBits and float weights; fuse them apart")
     first = weights[0].nbits
@@ -157,6 +186,15 @@ def _fused_nbits(graph: ir.Graph, name: str, weights: list[Weight], along: str) 
             "int4 blocks cannot be concatenated exactly along K; re-quantize with a block size that divides "
             "every FFN width"
         )
+    types = {w.nbits.zero_points.const_value.dtype for w in weights if w.nbits.zero_points is not None}
+    if len(types) > 1:
+        raise UserError(f"{name}.zero_points: the MatMulNBits parts store zero points in different types")
+
+
+def _fused_nbits(graph: ir.Graph, name: str, weights: list[Weight], along: str) -> FusedLinear:
+    """MatMulNBits parts concatenated along N (gate/up: their packed rows one after the other) or along K
+    (down: each row's blocks side by side, exact when block_size divides every part's K; _check_nbits)."""
+    first = weights[0].nbits
     axis = 0 if along == OUT else 1
     k = first.k if along == OUT else sum(w.shape[0] for w in weights)
     n = sum(w.shape[1] for w in weights) if along == OUT else weights[0].shape[1]
@@ -181,10 +219,8 @@ def _fused_zero_points(graph, name, weights: list[Weight], axis: int, n: int, bl
     quants = [w.nbits for w in weights]
     if all(q.zero_points is None for q in quants):
         return None
-    types = {q.zero_points.const_value.dtype for q in quants if q.zero_points is not None}
-    if len(types) != 1:
-        raise UserError(f"{name}: the MatMulNBits parts store zero points in different types")
-    dtype, bits = types.pop(), quants[0].bits
+    dtype = next(q.zero_points.const_value.dtype for q in quants if q.zero_points is not None)
+    bits = quants[0].bits
     if dtype != ir.DataType.UINT8:  # zero points in the scales' type, one per block
         parts = [
             _nbits_part(w, _zero_points(w.nbits, w.nbits.blocks, dtype), w.nbits.blocks) for w in weights

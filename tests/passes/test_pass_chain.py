@@ -10,7 +10,7 @@ import pytest
 
 from passes.errors import INTERNAL_ERROR_STATUS, PassInputError, UserError, run_cli
 from passes.fp8 import QuantizeFP8, calibrate
-from passes.fuse import FuseFFNGroups
+from passes.fuse import PLAN_METADATA_KEY, FuseFFNGroups
 from passes.model_io import load_model, save_model
 from passes.plan import Plan
 from passes.shard import COLLECTIVE_OP, ShardRank, count_allreduces, shard_file
@@ -73,6 +73,10 @@ def test_requires_refuse_what_the_passes_do_not_understand(models, scales):
         ShardRank(2, 1)(rank)
     with pytest.raises(UserError, match="rank 2 is outside 0..1"):
         ShardRank(2, 2)
+    unfused = load_model(models.unfused)
+    with pytest.raises(PassInputError, match=r"group \[0, 99\] is out of range: the model has blocks 0\.\."):
+        FuseFFNGroups(Plan(groups=((0, 99),)))(unfused)
+    assert PLAN_METADATA_KEY not in unfused.metadata_props  # refused before anything was touched
 
 
 class _SkipsTheRewrite(QuantizeFP8):
@@ -109,18 +113,36 @@ def test_broken_post_condition_is_an_internal_error(models, scales, broken, mess
     assert error.startswith("error: internal error: PostconditionError") and message in error, error
 
 
-def test_input_refused_inside_a_pass_manager_is_a_user_error(models, scales, capsys):
+@pytest.mark.parametrize(
+    ("chain", "message"),
+    [
+        (
+            lambda models, scales: ([QuantizeFP8(scales)], models.fused_fp8),
+            "the model is FP8-quantized already",
+        ),
+        (
+            lambda models, scales: (
+                [FuseFFNGroups(Plan(groups=((0, 99),))), QuantizeFP8(scales)],
+                models.unfused,
+            ),
+            "group [0, 99] is out of range",
+        ),
+    ],
+    ids=["fp8", "fuse"],
+)
+def test_input_refused_inside_a_pass_manager_is_a_user_error(models, scales, chain, message, capsys):
     """A PassManager wraps a pass's errors in PassError; run_cli still finds the UserError behind it."""
 
     def main() -> int:
-        ir.passes.PassManager([QuantizeFP8(scales)])(load_model(models.fused_fp8))
+        passes, path = chain(models, scales)
+        ir.passes.PassManager(passes)(load_model(path))
         return 0
 
     with pytest.raises(SystemExit) as exit_:
         run_cli(main)
     error = capsys.readouterr().err
     assert exit_.value.code == 2, error
-    assert error.startswith("error: the model is FP8-quantized already") and error.count("\n") == 1, error
+    assert error.startswith(f"error: {message}") and error.count("\n") == 1, error
 
 
 def test_rank_pass_reports_what_it_did(models: TpModels) -> None:

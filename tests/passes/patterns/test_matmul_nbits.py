@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 from onnx import helper, numpy_helper
@@ -15,7 +16,8 @@ from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
 from exporters.synthetic import SyntheticSpec, build_synthetic
 from passes.blocks import find_blocks
-from passes.errors import UserError
+from passes.errors import PassInputError, UserError
+from passes.fuse import FuseFFNGroups
 from passes.model_io import load_model, load_proto, save_model
 from passes.pipeline import fuse_file
 from passes.plan import Plan
@@ -123,3 +125,26 @@ def test_block_size_must_divide_each_down_k(int4_model, tmp_path):
 def test_fold_is_refused_for_int4(int4_model, tmp_path):
     with pytest.raises(UserError, match='"fold" cannot fold norm weights into int4'):
         fuse_file(int4_model, Plan(((1, 2),), "fold"), tmp_path / "fused.onnx")
+
+
+def test_a_plan_refused_by_requires_leaves_the_model_untouched(int4_model):
+    """Group [0, 1] would fuse; [2, 3] cannot (K 80). The pass refuses in `requires`, before group [0, 1]."""
+    model = load_model(int4_model)
+    before = ir.to_proto(model).SerializeToString()
+    with pytest.raises(PassInputError, match=r"block_size 32 does not divide the down projections' K \[80\]"):
+        FuseFFNGroups(Plan(((0, 1), (2, 3)), "last"))(model)
+    assert ir.to_proto(model).SerializeToString() == before
+
+
+def test_fuse_onnx_refuses_such_a_plan_in_one_line_and_writes_nothing(tool, int4_model, tmp_path):
+    plan = tmp_path / "plan.json"
+    plan.write_text('{"groups": [[0, 1], [2, 3]], "norm": "last"}')
+    result = tool("fuse_onnx", int4_model, plan, "-o", tmp_path / "out" / "fused.onnx")
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert [line for line in result.stderr.splitlines() if line.startswith("error")] == [
+        "error: ffn_fusion.2_3.down_proj: block_size 32 does not divide the down projections' K [80]: "
+        "their int4 blocks cannot be concatenated exactly along K; re-quantize with a block size that "
+        "divides every FFN width"
+    ]
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
