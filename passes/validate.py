@@ -228,7 +228,7 @@ def _check_whole_model(original, fused, proto, checks, mode, tokens, original_bl
     )
     for index, (group_range, group, _, _) in enumerate(checks):
         x, y = streams[2 * index], streams[2 * index + 1]
-        report.groups.append(GroupCheck(group_range, _contribution_error(x, y, parallel_sum(x, group, mode))))
+        report.groups.append(GroupCheck(group_range, contribution_error(x, y, parallel_sum(x, group, mode))))
     return report
 
 
@@ -253,7 +253,7 @@ def _check_group_alone(
         (y,) = _session(sub, fused.parent).run(None, {x_name: x})
     else:
         y = parallel_sum(x, [block], "last")  # the fused block itself: its own norm weight, if any
-    return GroupCheck(group_range, _contribution_error(x, y, parallel_sum(x, group, mode)))
+    return GroupCheck(group_range, contribution_error(x, y, parallel_sum(x, group, mode)))
 
 
 def _ffn_weight_bytes(block: Block) -> int:
@@ -288,5 +288,7 @@ def _subgraph(proto: onnx.ModelProto, x_name: str, y_name: str, rank: int) -> on
     return onnx.helper.make_model(graph, opset_imports=proto.opset_import, ir_version=proto.ir_version)
 
 
-def _contribution_error(x: np.ndarray, fused: np.ndarray, reference: np.ndarray) -> float:
+def contribution_error(x: np.ndarray, fused: np.ndarray, reference: np.ndarray) -> float:
+    """How far what a fused group adds to the stream x is from what the reference adds:
+    ||fused - reference|| / ||reference - x|| (the group's own contribution, not the whole stream)."""
     return float(np.linalg.norm(fused - reference) / max(np.linalg.norm(reference - x), 1e-30))

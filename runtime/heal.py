@@ -44,7 +44,7 @@ from passes.graph import strip_cast
 from passes.model_io import commit_output, load_model, save_model, staged_output
 from passes.plan import Plan
 from passes.reference import norm_weight, parallel_sum
-from passes.validate import exactness_tolerance, plan_from_metadata
+from passes.validate import contribution_error, exactness_tolerance, plan_from_metadata
 from runtime.evaluate import QualityResult, evaluate, format_table
 from runtime.text import (
     LICENSES,
@@ -543,8 +543,7 @@ def check_written(path: Path, pair: HealPair, saved: dict, tokens: np.ndarray) -
         module = FusedFFN(arrays["gate"], arrays["up"], arrays["down"], arrays["norm"], block.norm.eps)
         x = captured[block.ffn_input.name]
         y = captured[runner.cuts[block.index].output_name]
-        expected = module.apply(x)
-        error = float(np.linalg.norm(y - expected) / max(np.linalg.norm(expected - x), 1e-30))
+        error = contribution_error(x, y, module.apply(x))
         if not error <= 1e-4:
             raise AssertionError(
                 f"healed group {list(group)}: written model differs from the fit ({error:.3g})"

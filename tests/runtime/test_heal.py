@@ -253,3 +253,25 @@ def test_heal_a_group_ending_at_the_last_block_of_a_skip_norm_graph(third_party_
     assert group.group == (27, 29) and group.calib_after < group.calib_before, group.line()
     cost = HealedCosts(original, ids[:3], ids[3:], mode="last")(28, 29)
     assert cost.calib_after < cost.calib_before
+
+
+def test_a_written_model_that_differs_from_the_fit_is_not_committed(folded, monkeypatch, tmp_path):
+    """check_written reads the saved file back: weights written off by 1% fail it, and nothing is left."""
+    import runtime.heal
+
+    folder, original, fused, _ = folded
+    write = runtime.heal._write
+
+    def write_off_by_one_percent(pair, saved, result, staged):
+        off = {}
+        for group, paths in saved.items():
+            off[group] = dict(paths)
+            off[group]["down"] = tmp_path / f"down_{group[0]}_{group[1]}.npy"
+            np.save(off[group]["down"], 1.01 * np.load(paths["down"]))
+        write(pair, off, result, staged)
+
+    monkeypatch.setattr(runtime.heal, "_write", write_off_by_one_percent)
+    calib = windows(np.load(folder / "calib.npy"), 64)
+    with pytest.raises(AssertionError, match=r"healed group \[1, 2\]: written model differs from the fit"):
+        heal(original, fused, calib[:4], calib[4:6], tmp_path / "h.onnx", HealConfig(steps=1, ridge=0.0))
+    assert not list(tmp_path.glob("*.onnx*")) and not list(tmp_path.glob(".h*"))
