@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-CHUNK_BYTES = 8 << 20
+CHUNK_BYTES = 1 << 20  # a built chunk: small enough to stay in a core's cache while read, scaled, written
 Source = ir.TensorProtocol | np.ndarray  # a model's tensor (external data or in memory), or an array
 
 
@@ -89,11 +89,17 @@ class Part:
 
     def file_range(self) -> tuple[str, int, int] | None:
         """(path, offset, length) when the whole part is a plain byte range of an external data file."""
+        rows = self.file_rows()
+        return None if rows is None else (rows[0], rows[1], self.shape[0] * rows[2])
+
+    def file_rows(self) -> tuple[str, int, int] | None:
+        """(path, offset of the part's first row, bytes per row) when its rows are plain rows of an external
+        data file, one after the other."""
         if not (self._direct and self.scale is None and isinstance(self.tensor, ir.ExternalTensor)):
             return None
-        first, rows = (self.row_range or (0, self.rows))[0], self.shape[0]
         row_bytes = self.cols * _numpy_dtype(self.tensor).itemsize
-        return str(self.tensor.path), (self.tensor.offset or 0) + first * row_bytes, rows * row_bytes
+        first = self.row_range[0] if self.row_range is not None else 0
+        return str(self.tensor.path), (self.tensor.offset or 0) + first * row_bytes, row_bytes
 
     def _stored_rows(self, start: int, stop: int) -> np.ndarray:
         first = self.row_range[0] if self.row_range is not None else 0
@@ -122,7 +128,15 @@ def scale_rows(out: np.ndarray, scale: np.ndarray) -> None:
     if out.dtype == np.float16 and out.size and not np.isnan(scale).any():
         with _LOAD:  # built once, by whichever chunk builder comes first
             session = _half_fold()
-        out[...] = session.run(None, {"w": np.ascontiguousarray(out), "g": scale})[0]
+        if not out.flags.c_contiguous:
+            out[...] = session.run(None, {"w": np.ascontiguousarray(out), "g": scale})[0]
+            return
+        # In place: elementwise, so each value is read before it is written. No copies, no allocation.
+        binding = session.io_binding()
+        binding.bind_cpu_input("w", out)
+        binding.bind_cpu_input("g", scale)
+        binding.bind_output("y", "cpu", 0, np.float16, list(out.shape), out.ctypes.data)
+        session.run_with_iobinding(binding)
         return
     np.multiply(out, scale, out=out, dtype=np.float32, casting="unsafe")
 
@@ -167,7 +181,10 @@ def read_rows_into(tensor: Source, cols: int, start: int, out: np.ndarray) -> No
         out[...] = _array(tensor).reshape(-1, cols)[start : start + len(out)]
         return
     row_bytes = cols * out.dtype.itemsize
-    rows = [memoryview(row.view(np.uint8)) for row in out]
+    if out.flags.c_contiguous:  # whole rows one after the other: one buffer
+        rows = [memoryview(out.view(np.uint8).reshape(-1))] if out.size else []
+    else:
+        rows = [memoryview(row.view(np.uint8)) for row in out]
     offset = (tensor.offset or 0) + start * row_bytes
     fd = os.open(tensor.path, os.O_RDONLY)
     try:
@@ -237,8 +254,10 @@ def _numpy_dtype(tensor: Source) -> np.dtype:
 class ConcatTensor(ir.LazyTensor):
     """The concatenation of `parts` along `axis` of the stored 2-D matrix, declared with `shape` (same
     number of elements). `finish` maps each finished chunk of rows to its final form (for example packs
-    int4 zero points). `tofile` streams: plain parts are copied file to file by the kernel, the other
-    chunks are built by a few threads ahead of the writer. `numpy()`/`tobytes()` build the whole tensor."""
+    int4 zero points). `tofile` into a regular file: jobs that each write their own byte range, run by two
+    threads (plain rows and parts are copied file to file by the kernel; other chunks are read, scaled and
+    written a few rows at a time, so that the chunk stays in the core's cache). Into a stream: chunks in
+    order. `numpy()`/`tobytes()` build the whole tensor."""
 
     def __init__(
         self,
@@ -254,58 +273,111 @@ class ConcatTensor(ir.LazyTensor):
         self.parts, self.axis, self.finish, self.chunk_bytes = parts, axis, finish, chunk_bytes
         self._numpy = np.dtype(dtype.numpy())
 
-    def jobs(self) -> Iterator[Callable[[], np.ndarray] | tuple[str, int, int]]:
-        """The result in order: functions that build a chunk of rows, or (path, offset, length) ranges of
-        a source file to copy as they are."""
+    def chunks(self) -> Iterator[np.ndarray]:
+        """The result's rows in order, a chunk at a time (plain file ranges read a chunk at a time)."""
         if self.axis == 0:
             for part in self.parts:
                 if self.finish is None and (file_range := part.file_range()) is not None:
-                    yield file_range
+                    path, offset, length = file_range
+                    for done in range(0, length, CHUNK_BYTES):
+                        count = min(CHUNK_BYTES, length - done)
+                        yield np.fromfile(path, np.uint8, count, offset=offset + done)
                     continue
-                rows, cols = part.shape
-                step = self._step(cols)
-                for start in range(0, rows, step):
-                    yield functools.partial(self._stacked, part, start, min(start + step, rows))
+                for start, stop in self._steps(part.shape[0], part.shape[1]):
+                    yield self._finished(part.read(start, stop, self._work_dtype()))
             return
-        rows = self.parts[0].shape[0]
-        step = self._step(sum(p.shape[1] for p in self.parts))
-        for start in range(0, rows, step):
-            yield functools.partial(self._side_by_side, start, min(start + step, rows))
+        for start, stop in self._steps(self.parts[0].shape[0], self._width()):
+            yield self._finished(np.concatenate(self._blocks(start, stop), axis=1))
 
-    def chunks(self) -> Iterator[np.ndarray]:
-        """The result's rows in order, a chunk at a time (file ranges read into memory)."""
-        for job in self.jobs():
-            yield job() if callable(job) else np.fromfile(job[0], np.uint8, job[2], offset=job[1])
+    def writes(self, fd: int, base: int) -> Iterator[Callable[[], None]]:
+        """The result as jobs, in order, that each write their own byte range of `fd` (from `base`) and can
+        run in any order: kernel copies of file ranges or row segments, or chunks built and written."""
+        row_bytes = self._row_bytes()
+        if self.axis == 0:
+            at = base
+            for part in self.parts:
+                if self.finish is None and (file_range := part.file_range()) is not None:
+                    path, offset, length = file_range
+                    for done in range(0, length, COPY_BYTES):  # several jobs, so both threads copy
+                        count = min(COPY_BYTES, length - done)
+                        yield functools.partial(_copy_file, path, offset + done, fd, at + done, count)
+                else:
+                    for start, stop in self._steps(part.shape[0], part.shape[1]):
+                        where = at + start * row_bytes
+                        yield functools.partial(self._stacked_at, part, start, stop, fd, where)
+                at += part.shape[0] * row_bytes
+            return
+        segments = self._row_segments()
+        rows = self.parts[0].shape[0]
+        if segments is not None:
+            step = max(1, COPY_BYTES // row_bytes)
+            for start in range(0, rows, step):
+                stop = min(start + step, rows)
+                yield functools.partial(_copy_rows, segments, start, stop, fd, base + start * row_bytes)
+            return
+        for start, stop in self._steps(rows, self._width()):
+            yield functools.partial(self._side_by_side_at, start, stop, fd, base + start * row_bytes)
 
     def tofile(self, file) -> None:
-        pending: collections.deque = collections.deque()
-        with concurrent.futures.ThreadPoolExecutor(_WORKERS) as pool:
-            for job in self.jobs():
-                if callable(job):
-                    pending.append(pool.submit(job))
-                    if len(pending) > _WORKERS:
-                        _write(file, pending.popleft().result())
-                    continue
-                while pending:
-                    _write(file, pending.popleft().result())
-                _copy_range(job, file)
-            while pending:
-                _write(file, pending.popleft().result())
+        fd = _regular_fd(file)
+        if fd is None:  # a stream (an in-memory buffer, a pipe): in order
+            for chunk in self.chunks():
+                _write(file, chunk)
+            return
+        file.flush()
+        base = file.tell()
+        _run(self.writes(fd, base))
+        file.seek(base + self._row_bytes() * self._rows())
 
-    def _stacked(self, part: Part, start: int, stop: int) -> np.ndarray:
-        return self._finished(part.read(start, stop, self._work_dtype()))
+    def _stacked_at(self, part: Part, start: int, stop: int, fd: int, at: int) -> None:
+        chunk = self._finished(part.read(start, stop, self._work_dtype()))
+        _pwrite_all(fd, [self._checked(chunk, stop - start)], at)
 
-    def _side_by_side(self, start: int, stop: int) -> np.ndarray:
-        chunk = np.empty((stop - start, sum(p.shape[1] for p in self.parts)), dtype=self._work_dtype())
-        column = 0
-        for part in self.parts:
-            part.read_into(chunk[:, column : column + part.shape[1]], start, stop)
-            column += part.shape[1]
-        return self._finished(chunk)
+    def _side_by_side_at(self, start: int, stop: int, fd: int, at: int) -> None:
+        blocks = self._blocks(start, stop)
+        if self.finish is not None:
+            pieces = [self._checked(self.finish(np.concatenate(blocks, axis=1)), stop - start)]
+        else:  # each output row gathers the parts' rows: no interleaved copy in memory
+            pieces = [block[row] for row in range(stop - start) for block in blocks]
+        _pwrite_all(fd, pieces, at)
 
-    def _step(self, cols: int) -> int:
+    def _blocks(self, start: int, stop: int) -> list[np.ndarray]:
+        """Rows start:stop of each part (contiguous, so that scaling runs on them in place)."""
+        return [part.read(start, stop, self._work_dtype()) for part in self.parts]
+
+    def _row_segments(self) -> list[tuple[str, int, int]] | None:
+        """Each part's (path, offset, row bytes) when every part is plain file rows wide enough for one kernel
+        copy per row segment to beat reading and writing them through memory."""
+        if self.finish is not None:
+            return None
+        segments = [part.file_rows() for part in self.parts]
+        if any(s is None or s[2] < MIN_SEGMENT_BYTES for s in segments):
+            return None
+        return segments
+
+    def _checked(self, chunk: np.ndarray, rows: int) -> np.ndarray:
+        if chunk.nbytes != rows * self._row_bytes():
+            raise ValueError(f"{self.name}: a finished chunk of {rows} rows has {chunk.nbytes} bytes")
+        return chunk
+
+    def _rows(self) -> int:
+        return sum(p.shape[0] for p in self.parts) if self.axis == 0 else self.parts[0].shape[0]
+
+    def _row_bytes(self) -> int:
+        """Bytes of one row of the concatenation as stored (after `finish`)."""
+        rows = self._rows()
+        if rows == 0 or self.nbytes % rows:
+            raise ValueError(f"{self.name}: {self.nbytes} bytes do not split into {rows} rows")
+        return self.nbytes // rows
+
+    def _width(self) -> int:
+        return sum(p.shape[1] for p in self.parts)
+
+    def _steps(self, rows: int, cols: int) -> Iterator[tuple[int, int]]:
         chunk_bytes = self.chunk_bytes if self.chunk_bytes is not None else CHUNK_BYTES
-        return max(1, chunk_bytes // max(1, cols * self._work_dtype().itemsize))
+        step = max(1, chunk_bytes // max(1, cols * self._work_dtype().itemsize))
+        for start in range(0, rows, step):
+            yield start, min(start + step, rows)
 
     def _work_dtype(self) -> np.dtype:
         return _numpy_dtype(self.parts[0].tensor) if self.finish is not None else self._numpy
@@ -319,45 +391,96 @@ class ConcatTensor(ir.LazyTensor):
         return ir.tensor(array.reshape(tuple(self.shape)), dtype=self.dtype, name=self.name)
 
 
-_WORKERS = 2  # chunks built ahead of the writer (numpy and preadv release the GIL)
+_WORKERS = 2  # threads running write jobs (preadv, ONNX Runtime, numpy and the kernel copies release the GIL)
+COPY_BYTES = 8 << 20  # bytes per kernel-copy job
+MIN_SEGMENT_BYTES = 16 << 10  # shorter row segments go through memory (one copy_file_range each costs more)
+
+
+def _run(jobs: Iterator[Callable[[], None]]) -> None:
+    """Run `jobs` on _WORKERS threads, a few queued at a time (each job holds only its own chunk)."""
+    pending: collections.deque = collections.deque()
+    with concurrent.futures.ThreadPoolExecutor(_WORKERS) as pool:
+        try:
+            for job in jobs:
+                pending.append(pool.submit(job))
+                if len(pending) > 2 * _WORKERS:
+                    pending.popleft().result()
+            while pending:
+                pending.popleft().result()
+        finally:
+            for future in pending:
+                future.cancel()
 
 
 def _write(file, chunk: np.ndarray) -> None:
     file.write(memoryview(np.ascontiguousarray(chunk).view(np.uint8).reshape(-1)))
 
 
-def _copy_range(file_range: tuple[str, int, int], file) -> None:
-    """Copy bytes of a source file to the end of `file`: in the kernel (copy_file_range) when both are
-    regular files, else through a small buffer."""
-    path, offset, length = file_range
-    with open(path, "rb") as source:
-        done = 0
-        if hasattr(os, "copy_file_range") and _is_regular_file(file):
-            file.flush()
-            target = file.tell()
-            try:
-                while done < length:
-                    count = os.copy_file_range(
-                        source.fileno(), file.fileno(), length - done, offset + done, target + done
-                    )
-                    if count == 0:
-                        break
-                    done += count
-            except OSError as error:
-                if error.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-                    raise
-            file.seek(target + done)
-        source.seek(offset + done)
-        while done < length:
-            block = source.read(min(CHUNK_BYTES, length - done))
-            if not block:
-                raise OSError(f"{path}: external data ends early")
-            file.write(block)
-            done += len(block)
+def _pwrite_all(fd: int, arrays: list[np.ndarray], offset: int) -> None:
+    """Write the arrays' bytes one after the other at `offset` (pwritev, IOV_MAX buffers a call)."""
+    buffers = [memoryview(np.ascontiguousarray(a).view(np.uint8).reshape(-1)) for a in arrays if a.size]
+    for first in range(0, len(buffers), _IOV_MAX):
+        batch = buffers[first : first + _IOV_MAX]
+        while batch:
+            count = os.pwritev(fd, batch, offset)
+            offset += count
+            while batch and count >= len(batch[0]):
+                count -= len(batch[0])
+                batch = batch[1:]
+            if batch and count:
+                batch[0] = batch[0][count:]
 
 
-def _is_regular_file(file) -> bool:
+def _copy_rows(segments: list[tuple[str, int, int]], start: int, stop: int, fd: int, at: int) -> None:
+    """Rows start:stop of the side-by-side concatenation of plain file rows, one kernel copy per segment."""
+    sources = [os.open(path, os.O_RDONLY) for path, _, _ in segments]
     try:
-        return stat.S_ISREG(os.fstat(file.fileno()).st_mode)
+        for row in range(start, stop):
+            for source, (_, offset, length) in zip(sources, segments, strict=True):
+                _copy_fd(source, offset + row * length, fd, at, length)
+                at += length
+    finally:
+        for source in sources:
+            os.close(source)
+
+
+def _copy_file(path: str, offset: int, fd: int, at: int, length: int) -> None:
+    source = os.open(path, os.O_RDONLY)
+    try:
+        _copy_fd(source, offset, fd, at, length)
+    finally:
+        os.close(source)
+
+
+_NO_KERNEL_COPY = (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP)
+
+
+def _copy_fd(source: int, offset: int, fd: int, at: int, length: int) -> None:
+    """Copy `length` bytes at `offset` of `source` to `at` of `fd`: in the kernel (copy_file_range), else
+    (another file system, an old kernel) through a small buffer."""
+    done = 0
+    if hasattr(os, "copy_file_range"):
+        try:
+            while done < length:
+                count = os.copy_file_range(source, fd, length - done, offset + done, at + done)
+                if count == 0:
+                    raise OSError(f"external data ends early (fd {source}, offset {offset + done})")
+                done += count
+        except OSError as error:
+            if error.errno not in _NO_KERNEL_COPY:
+                raise
+    while done < length:
+        block = os.pread(source, min(CHUNK_BYTES, length - done), offset + done)
+        if not block:
+            raise OSError(f"external data ends early (fd {source}, offset {offset + done})")
+        _pwrite_all(fd, [np.frombuffer(block, np.uint8)], at + done)
+        done += len(block)
+
+
+def _regular_fd(file) -> int | None:
+    """The descriptor of `file` when it is a regular file that can be written at any offset."""
+    try:
+        fd = file.fileno()
+        return fd if stat.S_ISREG(os.fstat(fd).st_mode) and file.seekable() else None
     except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
-        return False
+        return None

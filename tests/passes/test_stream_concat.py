@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import errno
 import io
+import os
 
 import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 import pytest
 
+from passes import stream_concat
 from passes.fuse import _pack, _unpack
 from passes.stream_concat import ConcatTensor, Part, scale_rows
 
@@ -25,10 +28,21 @@ def _external(array: np.ndarray, folder, name: str) -> ir.ExternalTensor:
     )
 
 
-def _written(tensor: ConcatTensor) -> bytes:
-    buffer = io.BytesIO()
-    tensor.tofile(buffer)
-    return buffer.getvalue()
+def _written(tensor: ConcatTensor, folder=None) -> bytes:
+    """What `tofile` writes: into a stream (in order), or, given a folder, into a regular file between other
+    bytes (jobs that write their own ranges, on two threads)."""
+    if folder is None:
+        buffer = io.BytesIO()
+        tensor.tofile(buffer)
+        return buffer.getvalue()
+    path = folder / "out.bin"
+    with open(path, "wb") as file:
+        file.write(b"head")
+        tensor.tofile(file)
+        file.write(b"tail")
+    data = path.read_bytes()
+    assert data[:4] == b"head" and data[-4:] == b"tail"
+    return data[4:-4]
 
 
 def _fold(matrix: np.ndarray, scale: np.ndarray | None, axis: int) -> np.ndarray:
@@ -42,7 +56,8 @@ def _fold(matrix: np.ndarray, scale: np.ndarray | None, axis: int) -> np.ndarray
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("axis", [0, 1])
 @pytest.mark.parametrize("fold", [False, True])
-def test_chunks_equal_numpy_concatenation(tmp_path, chunk_bytes, dtype, axis, fold):
+@pytest.mark.parametrize("sink", ["stream", "file"])
+def test_chunks_equal_numpy_concatenation(tmp_path, chunk_bytes, dtype, axis, fold, sink):
     rng = np.random.default_rng(len(dtype) + axis)
     numpy_dtype = np.dtype(DTYPES[dtype].numpy())
     # Parts: external, in memory, and a column range of a wider external matrix (a gate_up half).
@@ -71,7 +86,7 @@ def test_chunks_equal_numpy_concatenation(tmp_path, chunk_bytes, dtype, axis, fo
         axis=axis,
     )
     tensor = ConcatTensor(parts, axis, DTYPES[dtype], expected.shape, "fused", chunk_bytes=chunk_bytes)
-    assert _written(tensor) == expected.tobytes()
+    assert _written(tensor, tmp_path if sink == "file" else None) == expected.tobytes()
     assert tensor.numpy().tobytes() == expected.tobytes() and tensor.numpy().dtype == numpy_dtype
 
 
@@ -94,7 +109,8 @@ def test_bfloat16_fold_rounds_once_to_nearest_even(tmp_path):
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
-def test_packed_fields_concatenate_along_k(bits):
+@pytest.mark.parametrize("sink", ["stream", "file"])
+def test_packed_fields_concatenate_along_k(tmp_path, bits, sink):
     """int4 zero points of parts whose block counts are odd: unpacked per chunk, concatenated, repacked."""
     rng = np.random.default_rng(bits)
     fields = [rng.integers(0, 1 << bits, size=(6, count), dtype=np.uint8) for count in (3, 5, 2)]
@@ -110,7 +126,7 @@ def test_packed_fields_concatenate_along_k(bits):
     tensor = ConcatTensor(
         parts, 1, ir.DataType.UINT8, (expected.size,), "zp", finish=lambda c: _pack(c, bits), chunk_bytes=3
     )
-    assert _written(tensor) == expected.tobytes()
+    assert _written(tensor, tmp_path if sink == "file" else None) == expected.tobytes()
 
 
 def test_plain_parts_are_copied_file_to_file(tmp_path):
@@ -151,3 +167,94 @@ def test_float16_fold_equals_numpy_bit_for_bit():
             assert out.view(np.uint16).tobytes() == expected.view(np.uint16).tobytes()
             assert wide[:, 20:276].view(np.uint16).tobytes() == expected.view(np.uint16).tobytes()
             assert not wide[:, :20].any() and not wide[:, 276:].any()
+
+
+def _copy_calls(monkeypatch) -> list[int]:
+    """Lengths of the kernel copies made from now on."""
+    calls: list[int] = []
+    copy = os.copy_file_range
+
+    def counted(source, target, count, *offsets):
+        calls.append(count)
+        return copy(source, target, count, *offsets)
+
+    monkeypatch.setattr(os, "copy_file_range", counted)
+    return calls
+
+
+@pytest.mark.parametrize("chunk_bytes", [None, 50])
+def test_interleaved_plain_rows_are_copied_by_the_kernel_row_segment_by_segment(
+    tmp_path, monkeypatch, chunk_bytes
+):
+    """ "last" gate/up: every output row is the parts' rows side by side. Plain external rows (one of them a
+    row range of a taller matrix, at odd offsets and odd row lengths) are copied by the kernel, one
+    copy_file_range per row segment, into a file between other bytes."""
+    monkeypatch.setattr(stream_concat, "MIN_SEGMENT_BYTES", 2)
+    monkeypatch.setattr(stream_concat, "COPY_BYTES", 100)  # several jobs, run in any order
+    rng = np.random.default_rng(11)
+    mats = [rng.standard_normal((9, c)).astype(np.float16) for c in (5, 3)]
+    tall = rng.standard_normal((13, 7)).astype(np.float16)
+    parts = [
+        Part(_external(mats[0], tmp_path, "a"), 9, 5),
+        Part(_external(tall, tmp_path, "t"), 13, 7, row_range=(3, 12)),
+        Part(_external(mats[1], tmp_path, "b"), 9, 3),
+    ]
+    expected = np.concatenate([mats[0], tall[3:12], mats[1]], axis=1)
+    tensor = ConcatTensor(parts, 1, ir.DataType.FLOAT16, expected.shape, "gate", chunk_bytes=chunk_bytes)
+    calls = _copy_calls(monkeypatch)
+    assert _written(tensor, tmp_path) == expected.tobytes()
+    assert sorted(set(calls)) == [6, 10, 14] and len(calls) == 27  # 9 rows x 3 segments, in whole
+
+
+def test_narrow_or_scaled_rows_go_through_memory(tmp_path, monkeypatch):
+    """Row segments shorter than MIN_SEGMENT_BYTES, or scaled ("fold"), are read, scaled and written
+    with pwritev: no kernel copy, same bytes."""
+    rng = np.random.default_rng(12)
+    mats = [rng.standard_normal((6, c)).astype(np.float32) for c in (4, 5)]
+    scale = rng.uniform(0.5, 1.5, 6).astype(np.float32)
+    calls = _copy_calls(monkeypatch)
+    for scales in ([None, None], [scale, None]):
+        parts = [Part(_external(m, tmp_path, f"m{i}"), *m.shape, scale=scales[i]) for i, m in enumerate(mats)]
+        expected = np.concatenate([_fold(m, s, 0) for m, s in zip(mats, scales, strict=True)], axis=1)
+        tensor = ConcatTensor(parts, 1, ir.DataType.FLOAT, expected.shape, "gate", chunk_bytes=40)
+        assert _written(tensor, tmp_path) == expected.tobytes()
+    assert calls == []
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_without_kernel_copies_the_same_bytes_go_through_a_buffer(tmp_path, monkeypatch, axis):
+    """copy_file_range refused (another file system, an old kernel): the same bytes, through a buffer."""
+    monkeypatch.setattr(stream_concat, "MIN_SEGMENT_BYTES", 2)
+
+    def refused(*args):
+        raise OSError(errno.EXDEV, "cross-device")
+
+    monkeypatch.setattr(os, "copy_file_range", refused)
+    rng = np.random.default_rng(13)
+    shapes = [(5, 6), (5, 4)] if axis == 1 else [(3, 6), (4, 6)]
+    mats = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    parts = [Part(_external(m, tmp_path, f"m{i}"), *m.shape) for i, m in enumerate(mats)]
+    expected = np.concatenate(mats, axis=axis)
+    tensor = ConcatTensor(parts, axis, ir.DataType.FLOAT, expected.shape, "w")
+    assert _written(tensor, tmp_path) == expected.tobytes()
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+@pytest.mark.parametrize("fold", [False, True])
+def test_external_data_cut_short_is_an_error(tmp_path, monkeypatch, axis, fold):
+    """A data file shorter than its tensors says so, whichever path reads it (kernel copy, rows, chunks)."""
+    monkeypatch.setattr(stream_concat, "MIN_SEGMENT_BYTES", 2)
+    rng = np.random.default_rng(14)
+    mats = [rng.standard_normal((8, 6)).astype(np.float32) for _ in range(2)]
+    parts = [Part(_external(m, tmp_path, f"m{i}"), 8, 6) for i, m in enumerate(mats)]
+    if fold:
+        parts = [
+            Part(p.tensor, 8, 6, scale=np.ones(6 if axis == 0 else 8, np.float32), scale_axis=1 - axis)
+            for p in parts
+        ]
+    path = tmp_path / "m1.data"
+    path.write_bytes(path.read_bytes()[:-30])
+    shape = (16, 6) if axis == 0 else (8, 12)
+    tensor = ConcatTensor(parts, axis, ir.DataType.FLOAT, shape, "w", chunk_bytes=48)
+    with pytest.raises(OSError, match="ends early"):
+        _written(tensor, tmp_path)
