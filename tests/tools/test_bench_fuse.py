@@ -21,7 +21,7 @@ def test_bench_fuse_reports_memory_and_time(tool, tmp_path):
     assert [s["shape"] for s in shapes] == ["small", "half"]
     assert shapes[0]["group_weight_bytes"] == 3 * 256 * 1024 * 4 * 2
     steps = {s["name"]: s for s in shapes[0]["steps"]}
-    fuse_steps = ["copy", "fuse (fold)", "fuse (last)", "fuse + validation"]
+    fuse_steps = ["copy", "copy (again)", "fuse (fold)", "fuse (last)", "fuse + validation"]
     assert list(steps) == [*fuse_steps, "FP8 quantization", "TP 8 sharding", "analysis"]
     assert [s["name"] for s in shapes[1]["steps"]] == fuse_steps
     for shape in shapes:
