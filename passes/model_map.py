@@ -199,6 +199,11 @@ def walk_stream(model: ir.Model, signature: Signature | None = None) -> Stream:
     return Stream(embedding, start, tuple(branches))
 
 
+def find_lm_head(model: ir.Model, stream: Stream) -> LmHead | None:
+    """The lm_head of `stream`'s model, found backwards from the logits (no SwiGLU blocks needed)."""
+    return _head(model.graph, Signature.of(model), stream.last, stream.embedding)[1]
+
+
 # ------------------------------------------------------------------------------------------ the walk
 
 

@@ -19,115 +19,26 @@ import onnx_ir as ir
 
 from passes.errors import UserError
 from passes.graph import NoMatch
-from passes.model_map import ResidualBranch, find_embedding, layer_name, walk_stream
-from passes.patterns.attention import Attention, before_projection, end_projection, match_attention
+from passes.model_map import (
+    LmHead,
+    ResidualBranch,
+    Stream,
+    find_embedding,
+    find_lm_head,
+    layer_name,
+    walk_stream,
+)
+from passes.patterns.attention import (
+    Attention,
+    before_projection,
+    cache_concats,
+    end_projection,
+    match_attention,
+)
+from passes.patterns.linear import WeightRef, weight_ref
 from passes.shapes import World
 
-WEIGHT_CHAIN_OPS = ("Transpose", "Cast", "Identity", "DequantizeLinear")
-LINEAR_OPS = ("MatMul", "Gemm")
 FUSED_ATTENTION_OPS = {"Attention", "MultiHeadAttention", "GroupQueryAttention", "AttentionPlugin"}
-
-
-@dataclass
-class WeightRef:
-    """The constant behind a linear layer's weight input, and the nodes between them."""
-
-    node: ir.Node  # the MatMul/Gemm
-    value: ir.Value  # its weight input
-    source: ir.Value  # the initializer (or Constant output)
-    chain: list[ir.Node]  # from the source to `value`, in data order
-    transposed: bool = False  # Gemm transB=1: the weight input is [out, in]
-    nbits: bool = False  # MatMulNBits: the source is [N, K / block_size, blob] with scales per block
-
-    @property
-    def tensor(self) -> ir.TensorProtocol:
-        return constant_tensor(self.source)
-
-    def matrix_shape(self) -> tuple[int, int]:
-        """(in, out) of the weight as the layer multiplies by it."""
-        if self.nbits:
-            return _int_attr(self.node, "K", 0), _int_attr(self.node, "N", 0)
-        dims = [int(d) for d in self.value.shape] if self.value.shape is not None else None
-        if dims is None or len(dims) != 2:
-            dims = list(_shape_through_chain(self))
-        rows, cols = dims
-        return (cols, rows) if self.transposed else (rows, cols)
-
-    def source_axis(self, matmul_axis: int) -> int:
-        """The axis of the source tensor that is the layer's input (0) or output (1) axis."""
-        axis = 1 - matmul_axis if self.transposed else matmul_axis
-        for node in reversed(self.chain):
-            if node.op_type == "Transpose":
-                perm = _perm(node)
-                axis = perm[axis]
-        return axis
-
-
-def _perm(node: ir.Node) -> list[int]:
-    attr = node.attributes.get("perm")
-    return [int(p) for p in attr.value] if attr is not None else [1, 0]
-
-
-def _shape_through_chain(ref: WeightRef) -> tuple[int, int]:
-    dims = [int(d) for d in ref.tensor.shape]
-    for node in ref.chain:
-        if node.op_type == "Transpose":
-            perm = _perm(node)
-            dims = [dims[p] for p in perm]
-    return dims[0], dims[1]
-
-
-def constant_tensor(value: ir.Value | None) -> ir.TensorProtocol | None:
-    if value is None or value.is_graph_input():
-        return None
-    if value.const_value is not None:
-        return value.const_value
-    node = value.producer()
-    if node is not None and node.op_type == "Constant" and "value" in node.attributes:
-        attr = node.attributes["value"]
-        if attr.type == ir.AttributeType.TENSOR:
-            return attr.value
-    return None
-
-
-def weight_ref(node: ir.Node) -> WeightRef | None:
-    """The constant 2-D weight of a MatMul/Gemm (or the block-quantized weight of a MatMulNBits), or None
-    when its weight input is computed."""
-    if node.op_type == "MatMulNBits" and node.domain == "com.microsoft":
-        weight = node.inputs[1] if len(node.inputs) > 1 else None
-        tensor = constant_tensor(weight)
-        if weight is None or tensor is None or len(tensor.shape) != 3:
-            return None
-        return WeightRef(node, weight, weight, [], nbits=True)
-    if node.op_type not in LINEAR_OPS or len(node.inputs) < 2 or node.inputs[1] is None:
-        return None
-    transposed = False
-    if node.op_type == "Gemm":
-        if _int_attr(node, "transA", 0):
-            return None
-        transposed = bool(_int_attr(node, "transB", 0))
-    value = node.inputs[1]
-    chain: list[ir.Node] = []
-    current = value
-    while constant_tensor(current) is None:
-        producer = current.producer()
-        if (
-            producer is None
-            or producer.op_type not in WEIGHT_CHAIN_OPS
-            or producer.domain not in ("", "ai.onnx")
-        ):
-            return None
-        chain.append(producer)
-        current = producer.inputs[0]
-    tensor = constant_tensor(current)
-    if tensor is None or len(tensor.shape) != 2:
-        return None
-    return WeightRef(node, value, current, chain[::-1], transposed)
-
-
-def _int_attr(node: ir.Node, name: str, default: int) -> int:
-    attr = node.attributes.get(name)
-    return default if attr is None else int(attr.value)
 
 
 @dataclass
@@ -208,22 +119,24 @@ def find_structure(model: ir.Model, world: World | None = None) -> TpStructure:
             "no residual branches found after the token embedding (expected Add(stream, MatMul(...)))"
         )
     branches = [_branch(b, order) for b in stream.branches]
-    end = _stream_end(stream.branches[-1])
-    head, after = _lm_head(graph, end)
-    if len(after) > 1:
-        names = ", ".join(repr(n.name) for n in after[:3])
+    head = find_lm_head(model, stream)
+    _refuse_linears_outside(graph, stream, head)
+    return TpStructure(embedding.node, branches, weight_ref(head.node) if head is not None else None)
+
+
+def _refuse_linears_outside(graph: ir.Graph, stream: Stream, head: LmHead | None) -> None:
+    """Every linear layer with a constant weight is in a residual branch or is the lm_head (found from the
+    logits); one elsewhere means the stream walk stopped early, and sharding would leave it whole."""
+    known = set().union(*(b.nodes for b in stream.branches), [head.node] if head is not None else [])
+    unknown = [n for n in graph if n not in known and weight_ref(n) is not None]
+    if unknown:
+        names = ", ".join(repr(n.name) for n in unknown[:3])
+        end = stream.branches[-1].residual.node
         raise UserError(
-            f"the residual stream walk stopped at {end.name!r} after {len(branches)} branches, but more "
-            f"linear layers follow ({names}); a branch there does not end in a linear layer added to the "
-            "stream"
+            f"the residual stream walk ended at {end.name!r} after {len(stream.branches)} branches, but "
+            f"linear layer(s) {names} are in none of them and are not the lm_head: a branch there does not "
+            "end in a linear layer added to the stream; cannot shard it"
         )
-    return TpStructure(embedding.node, branches, head)
-
-
-def _stream_end(last: ResidualBranch) -> ir.Value:
-    """The stream after the last branch (a final Skip*Normalization: its normalized output)."""
-    out = last.residual.output
-    return out if out is not None and out.uses() else last.residual.node.outputs[0]
 
 
 def _refuse_block_quantized(graph: ir.Graph) -> None:
@@ -256,7 +169,7 @@ def _branch(source: ResidualBranch, order: dict[ir.Node, int]) -> Branch:
     if not any(v is stream or (v is not None and v.producer() in nodes) for v in row_node.inputs[:1]):
         raise UserError(f"residual branch {index}: its last projection does not depend on the stream")
     inputs = {v for n in nodes for v in n.inputs if v is not None and v.is_graph_input()}
-    caches = _cache_inputs(inputs, nodes, _graph_outputs(residual))
+    caches = [CacheRef(c.past, c.node, c.present) for c in cache_concats(nodes)]
     fused_inputs = {v for n in nodes if n.op_type in FUSED_ATTENTION_OPS for v in n.inputs}
     other = sorted(v.name for v in inputs - {c.past for c in caches} - fused_inputs)
     if other:
@@ -324,30 +237,6 @@ def _linear_branch(
     return branch
 
 
-def _graph_outputs(node: ir.Node) -> set[ir.Value]:
-    graph = node.graph
-    return set(graph.outputs) if graph is not None else set()
-
-
-def _cache_inputs(inputs: set[ir.Value], nodes: set[ir.Node], outputs: set[ir.Value]) -> list[CacheRef]:
-    """The graph inputs among `inputs` that are KV caches: used once, by a Concat in the branch that also
-    takes a tensor the branch computes (the new keys/values), and otherwise only by Shape nodes (the
-    dynamo exporter may take the batch size from a past input). The Concat's axis is checked by the rank
-    world (it must not be the sharded head axis)."""
-    found = []
-    for value in sorted(inputs, key=lambda v: v.name or ""):
-        uses = [u for u in value.uses() if u.node.op_type != "Shape"]  # an exporter may read its batch
-        if len(uses) != 1 or uses[0].node not in nodes or uses[0].node.op_type != "Concat":
-            continue
-        concat = uses[0].node
-        computed = [v for v in concat.inputs if v is not None and v.producer() in nodes]
-        if not computed:
-            continue
-        out = concat.outputs[0]
-        found.append(CacheRef(value, concat, out if out in outputs else None))
-    return found
-
-
 def _after_linear(nodes: set[ir.Node], order: dict[ir.Node, int]) -> set[ir.Value]:
     """Values of the branch computed from the output of some linear layer of the branch."""
     after: set[ir.Value] = set()
@@ -382,46 +271,9 @@ def _attention_roles(branch: Branch, output: ir.Value) -> None:
     for cache in branch.caches:
         cache.kind = kinds.get(cache.past, "")
     known = {c.past for c in branch.caches}
-    outputs = _graph_outputs(branch.residual)
     for c in record.caches:  # a fused op's past_key/past_value
         if c.past not in known:
-            present = c.present if c.present in outputs else None
-            branch.caches.append(CacheRef(c.past, c.node, present, c.kind))
+            branch.caches.append(CacheRef(c.past, c.node, c.present, c.kind))
     if len(branch.columns) != (1 if record.packed else 3):
         names = ", ".join(repr(c.node.name) for c in branch.columns)
         raise UserError(f"{where}: expected q, k, v projections as its first linear layers, found {names}")
-
-
-def _lm_head(graph: ir.Graph, stream: ir.Value) -> tuple[WeightRef | None, list[ir.Node]]:
-    """The linear layer after the final norm whose output reaches a graph output, and all first linear
-    layers downstream of the stream's end (just the lm_head, unless the walk stopped early)."""
-    outputs = set(graph.outputs)
-    seen: set[ir.Value] = set()
-    stack = [stream]
-    found: list[ir.Node] = []
-    while stack:
-        value = stack.pop()
-        if value in seen:
-            continue
-        seen.add(value)
-        for use in value.uses():
-            if weight_ref(use.node) is not None and use.idx == 0:
-                found.append(use.node)
-            else:
-                stack.extend(use.node.outputs)
-    heads = [n for n in found if _reaches(n.outputs[0], outputs)]
-    return (weight_ref(heads[0]) if len(heads) == 1 else None), list(dict.fromkeys(found))
-
-
-def _reaches(value: ir.Value, outputs: set[ir.Value]) -> bool:
-    stack, seen = [value], set()
-    while stack:
-        v = stack.pop()
-        if v in outputs:
-            return True
-        if v in seen:
-            continue
-        seen.add(v)
-        for use in v.uses():
-            stack.extend(use.node.outputs)
-    return False

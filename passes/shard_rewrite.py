@@ -17,10 +17,11 @@ import numpy as np
 import onnx_ir as ir
 
 from passes.errors import UserError
+from passes.patterns.linear import constant_tensor
 from passes.shapes import Dim, Info, World, dims_to_ir
 from passes.shard_collectives import COLLECTIVE_DOMAIN, gather_logits, insert_collective, reject_rank_graph
 from passes.shard_dims import HeadMap, RankWorld, ShapeRewrite
-from passes.shard_graph import Branch, TpStructure, constant_tensor, find_structure
+from passes.shard_graph import Branch, TpStructure, find_structure
 from passes.shard_plan import PAD, HeadPlan, WeightSlice, check_tp, plan_slices, sliced_shape
 from passes.shard_types import walk_type
 

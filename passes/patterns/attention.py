@@ -23,17 +23,16 @@ ORT's MatMulNBits. A KV cache is a graph input that the branch concatenates with
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import accumulate
 
 import onnx_ir as ir
 
 from passes.graph import NoMatch, attr, constant
+from passes.patterns.linear import is_linear, linear_shape
 from passes.shapes import World, align, product
 
 FUSED_OPS = ("Attention", "GroupQueryAttention", "MultiHeadAttention")
-LINEAR_OPS = ("MatMul", "Gemm", "MatMulNBits")
-WEIGHT_CHAIN_OPS = ("Transpose", "Cast", "Identity", "DequantizeLinear")
 # Ops a projection output may pass through before the Reshape that splits it into heads.
 _PASS_OPS = ("Add", "Mul", "Cast", "Identity", "QuantizeLinear", "DequantizeLinear")
 
@@ -87,58 +86,6 @@ class Attention:
     def group(self) -> int:
         """Query heads per KV head."""
         return self.heads // self.kv_heads
-
-
-# ------------------------------------------------------------------------------------------ linear layers
-
-
-def linear_shape(node: ir.Node) -> tuple[int, int]:
-    """(in, out) of a linear layer with a constant weight; NoMatch otherwise."""
-    if node.op_type == "MatMulNBits" and node.domain == "com.microsoft":
-        return int(attr(node, "K", 0)), int(attr(node, "N", 0))
-    if node.op_type not in ("MatMul", "Gemm") or len(node.inputs) < 2:
-        raise NoMatch(f"{node.op_type} is not a linear layer")
-    if node.op_type == "Gemm" and attr(node, "transA", 0):
-        raise NoMatch("Gemm with transA=1 is not a linear layer")
-    value = node.inputs[1]
-    perms: list[list[int]] = []
-    while value is not None and constant_shape(value) is None:
-        producer = value.producer()
-        if (
-            producer is None
-            or producer.op_type not in WEIGHT_CHAIN_OPS
-            or producer.domain not in ("", "ai.onnx")
-        ):
-            raise NoMatch(f"{node.op_type} {node.name!r} multiplies by a computed tensor")
-        if producer.op_type == "Transpose":
-            perms.append(list(attr(producer, "perm", [1, 0])))
-        value = producer.inputs[0]
-    shape = constant_shape(value)
-    if shape is None or len(shape) != 2:
-        raise NoMatch(f"{node.op_type} {node.name!r} has no 2-D constant weight")
-    for perm in reversed(perms):
-        shape = [shape[p] for p in perm]
-    rows, cols = shape
-    return (cols, rows) if node.op_type == "Gemm" and attr(node, "transB", 0) else (rows, cols)
-
-
-def constant_shape(value: ir.Value | None) -> list[int] | None:
-    if value is None or value.is_graph_input():
-        return None
-    if value.const_value is not None:
-        return [int(d) for d in value.const_value.shape]
-    node = value.producer()
-    if node is not None and node.op_type == "Constant" and "value" in node.attributes:
-        return [int(d) for d in node.attributes["value"].as_tensor().shape]
-    return None
-
-
-def is_linear(node: ir.Node) -> bool:
-    try:
-        linear_shape(node)
-    except NoMatch:
-        return False
-    return True
 
 
 # ------------------------------------------------------------------------------------------ branch body
@@ -329,7 +276,7 @@ def _match_decomposed(o_proj: ir.Node, body: set[ir.Node], nodes: set[ir.Node]) 
     if found is None:
         raise NoMatch("no Reshape splitting the q projection into [.., heads, head_dim] found")
     heads, head_dim = found
-    caches = tuple(_decomposed_caches(body, nodes, scores, context))
+    caches = tuple(_decomposed_caches(body, scores, context))
     mask = _mask_form(scores, softmax, body)
     guard = any(u.node.op_type == "IsNaN" for u in softmax.outputs[0].uses())
     return _record(
@@ -475,23 +422,31 @@ def _rotary(body: set[ir.Node]) -> str:
     return "decomposed" if "Neg" in ops and "Concat" in ops else "none"
 
 
-def _decomposed_caches(body: set[ir.Node], nodes: set[ir.Node], scores: ir.Node, context: ir.Node):
-    graph = scores.graph
-    outputs = set(graph.outputs) if graph is not None else set()
+def cache_concats(body: set[ir.Node]) -> list[Cache]:
+    """The KV-cache graph inputs of a decomposed branch body (`kind` not known yet): each used once, besides
+    Shape (an exporter may read its batch), by a Concat of the body that also takes a tensor the body
+    computes (the new keys or values)."""
     inputs = {v for n in body for v in n.inputs if v is not None and v.is_graph_input()}
+    found = []
     for value in sorted(inputs, key=lambda v: v.name or ""):
-        uses = [u for u in value.uses() if u.node.op_type != "Shape"]  # an exporter may read its batch
+        uses = [u for u in value.uses() if u.node.op_type != "Shape"]
         if len(uses) != 1 or uses[0].node not in body or uses[0].node.op_type != "Concat":
             continue
         concat = uses[0].node
         if not any(v is not None and v.producer() in body for v in concat.inputs):
             continue
-        reach = _forward(concat.outputs[0], body)
+        out = concat.outputs[0]
+        found.append(Cache(value, out if out.is_graph_output() else None, "", concat))
+    return found
+
+
+def _decomposed_caches(body: set[ir.Node], scores: ir.Node, context: ir.Node):
+    for cache in cache_concats(body):
+        reach = _forward(cache.node.outputs[0], body)
         kind = "key" if scores.inputs[1] in reach else "value" if context.inputs[1] in reach else None
         if kind is None:
-            raise NoMatch(f"cache input {value.name!r} reaches neither q @ k^T nor probs @ v")
-        out = concat.outputs[0]
-        yield Cache(value, out if out in outputs else None, kind, concat)
+            raise NoMatch(f"cache input {cache.past.name!r} reaches neither q @ k^T nor probs @ v")
+        yield replace(cache, kind=kind)
 
 
 # ------------------------------------------------------------------------------------------ fused ops

@@ -19,6 +19,7 @@ import pytest
 from passes.errors import UserError
 from passes.graph import NoMatch
 from passes.metrics import max_abs_relative_error
+from passes.model_map import walk_stream
 from passes.patterns.attention import match_attention
 from passes.shard import shard_file
 from passes.shard_graph import find_structure
@@ -187,6 +188,28 @@ def test_branch_reading_a_graph_input_is_one_line_error(form, tmp_path: Path) ->
     with pytest.raises(UserError, match="reads the graph input 'scale', which is not a KV cache"):
         shard_file(path, 2, tmp_path / "a", progress=False)
     assert "not a KV cache" in _cli_error(path, tmp_path / "b")
+
+
+def test_linear_layers_outside_the_walked_branches_are_refused(form, tmp_path: Path) -> None:
+    """A Mul by one in the stream after branch 1 ends the walk there: the later branches' linear layers are
+    in no walked branch and are not the lm_head (found from the logits), so sharding refuses in one line
+    rather than leave them whole."""
+    model = ir.load(form("dynamo_repeat"))
+    stream = walk_stream(model).branches[1].residual.output
+    one = ir.Value(name="one", const_value=ir.tensor(np.ones((1,), np.float32)))
+    model.graph.register_initializer(one)
+    uses = list(stream.uses())
+    mul = ir.node("Mul", [stream, one])
+    model.graph.insert_after(stream.producer(), mul)
+    for use in uses:
+        use.node.replace_input_with(use.idx, mul.outputs[0])
+    path = tmp_path / "broken_stream.onnx"
+    ir.save(model, path)
+    with pytest.raises(
+        UserError, match=r"walk ended at .* after 2 branches, but linear layer\(s\) '.*' are in none"
+    ):
+        find_structure(ir.load(path))
+    assert "are in none of them and are not the lm_head" in _cli_error(path, tmp_path / "b")
 
 
 @pytest.mark.parametrize(

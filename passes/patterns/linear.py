@@ -1,0 +1,121 @@
+"""Linear layers with a constant weight: MatMul/Gemm, whose weight input is an initializer or a Constant
+reached through Transpose/Cast/Identity/DequantizeLinear (FP8 Q/DQ), and ORT's MatMulNBits (int4).
+
+    ref = linear_weight(node)    # WeightRef, or raises NoMatch saying why not
+    ref = weight_ref(node)       # WeightRef | None
+    linear_shape(node)           # (in, out) as the layer multiplies; NoMatch when it is no such layer
+
+The attention recognizer (passes.patterns.attention) and the sharder (passes.shard_graph) both read
+linear layers through this module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import onnx_ir as ir
+
+from passes.graph import NoMatch, attr
+
+WEIGHT_CHAIN_OPS = ("Transpose", "Cast", "Identity", "DequantizeLinear")
+
+
+@dataclass
+class WeightRef:
+    """The constant behind a linear layer's weight input, and the nodes between them."""
+
+    node: ir.Node  # the MatMul/Gemm (or MatMulNBits)
+    value: ir.Value  # its weight input
+    source: ir.Value  # the initializer (or Constant output)
+    chain: list[ir.Node]  # from the source to `value`, in data order
+    transposed: bool = False  # Gemm transB=1: the weight input is [out, in]
+    nbits: bool = False  # MatMulNBits: the source is [N, K / block_size, blob] with scales per block
+
+    @property
+    def tensor(self) -> ir.TensorProtocol:
+        return constant_tensor(self.source)
+
+    def matrix_shape(self) -> tuple[int, int]:
+        """(in, out) of the weight as the layer multiplies by it."""
+        if self.nbits:
+            return int(attr(self.node, "K", 0)), int(attr(self.node, "N", 0))
+        dims = [int(d) for d in self.tensor.shape]
+        for node in self.chain:
+            if node.op_type == "Transpose":
+                dims = [dims[p] for p in _perm(node)]
+        rows, cols = dims
+        return (cols, rows) if self.transposed else (rows, cols)
+
+    def source_axis(self, matmul_axis: int) -> int:
+        """The axis of the source tensor that is the layer's input (0) or output (1) axis."""
+        axis = 1 - matmul_axis if self.transposed else matmul_axis
+        for node in reversed(self.chain):
+            if node.op_type == "Transpose":
+                axis = _perm(node)[axis]
+        return axis
+
+
+def _perm(node: ir.Node) -> list[int]:
+    return [int(p) for p in attr(node, "perm", [1, 0])]
+
+
+def constant_tensor(value: ir.Value | None) -> ir.TensorProtocol | None:
+    """The tensor of an initializer or a Constant node's output, else None."""
+    if value is None or value.is_graph_input():
+        return None
+    if value.const_value is not None:
+        return value.const_value
+    node = value.producer()
+    if node is not None and node.op_type == "Constant" and "value" in node.attributes:
+        attribute = node.attributes["value"]
+        if attribute.type == ir.AttributeType.TENSOR:
+            return attribute.value
+    return None
+
+
+def linear_weight(node: ir.Node) -> WeightRef:
+    """The constant 2-D weight of a MatMul/Gemm (or the block-quantized weight of a MatMulNBits); NoMatch
+    when `node` is no linear layer or its weight input is computed."""
+    if node.op_type == "MatMulNBits" and node.domain == "com.microsoft":
+        weight = node.inputs[1] if len(node.inputs) > 1 else None
+        tensor = constant_tensor(weight)
+        if weight is None or tensor is None or len(tensor.shape) != 3:
+            raise NoMatch(f"MatMulNBits {node.name!r} has no constant block-quantized weight")
+        return WeightRef(node, weight, weight, [], nbits=True)
+    if node.op_type not in ("MatMul", "Gemm") or len(node.inputs) < 2 or node.inputs[1] is None:
+        raise NoMatch(f"{node.op_type} is not a linear layer")
+    if node.op_type == "Gemm" and attr(node, "transA", 0):
+        raise NoMatch("Gemm with transA=1 is not a linear layer")
+    value = current = node.inputs[1]
+    chain: list[ir.Node] = []
+    while constant_tensor(current) is None:
+        producer = current.producer() if current is not None else None
+        if (
+            producer is None
+            or producer.op_type not in WEIGHT_CHAIN_OPS
+            or producer.domain not in ("", "ai.onnx")
+        ):
+            raise NoMatch(f"{node.op_type} {node.name!r} multiplies by a computed tensor")
+        chain.append(producer)
+        current = producer.inputs[0]
+    if len(constant_tensor(current).shape) != 2:
+        raise NoMatch(f"{node.op_type} {node.name!r} has no 2-D constant weight")
+    transposed = node.op_type == "Gemm" and bool(attr(node, "transB", 0))
+    return WeightRef(node, value, current, chain[::-1], transposed)
+
+
+def weight_ref(node: ir.Node) -> WeightRef | None:
+    """linear_weight(node), or None when `node` is no linear layer with a constant weight."""
+    try:
+        return linear_weight(node)
+    except NoMatch:
+        return None
+
+
+def linear_shape(node: ir.Node) -> tuple[int, int]:
+    """(in, out) of a linear layer with a constant weight; NoMatch otherwise."""
+    return linear_weight(node).matrix_shape()
+
+
+def is_linear(node: ir.Node) -> bool:
+    return weight_ref(node) is not None
