@@ -4,15 +4,14 @@ A random nemotron-nas checkpoint in the published layout (exporters.hf_synthetic
 block_configs) is written, then, each in a fresh child process whose own peak RSS is read
 (runtime.peak_memory):
   - a plain copy of the checkpoint's safetensors files (the I/O floor),
-  - tools/export_model.py --hf (bf16 kept: the kernel copies each tensor),
-  - optionally --dtype float16 (tensors converted in row chunks),
-  - optionally the bf16 export with every layer traced (`export_direct`, replicate=False): the graph time
-    that one traced layer per distinct block kind (exporters.hf_replicate) saves.
+  - tools/export_model.py --hf (bf16 kept: the kernel copies each tensor in a second thread while
+    exporters.hf_graph builds the graph with onnx-ir, without torch),
+  - optionally --dtype float16 (tensors converted in row chunks).
 The page cache is in the same state for every step: one untimed copy first reads the checkpoint in, and
 before each step `sync` writes back what the step before left dirty. The copy and the exports then
 alternate for `rounds` rounds, and each export is compared with the copy of its own round.
 Bounds (issue 10): peak RSS <= 1 GB + the largest single tensor; time within 2x of the copy. The export's
-own split (graph building vs weight streaming, which overlap) is reported.
+own split (graph building vs weight streaming, which overlap) and its CPU time (all threads) are reported.
 """
 
 from __future__ import annotations
@@ -125,7 +124,6 @@ def bench(
     vocab: int = 32000,
     shards: int = 8,
     convert: bool = False,
-    direct: bool = False,
     rounds: int = 2,
     log: Callable[[str], None] = print,
 ) -> BenchResult:
@@ -141,7 +139,6 @@ def bench(
     script = ROOT / "tools" / "export_model.py"
     runs = [("export_bf16", script, ["--hf", checkpoint, "-o"])]
     runs += [("export_fp16", script, ["--dtype", "float16", "--hf", checkpoint, "-o"])] if convert else []
-    runs += [("direct_bf16", "exporters.hf_bench:export_direct", [checkpoint])] if direct else []
     log("copying the safetensors files once to read them into the page cache ...")
     _copy(shards_files, work / "copy")
     steps = []
@@ -184,12 +181,3 @@ def _export_step(name: str, target: str | Path, args: list, work: Path, round_: 
     size = sum(p.stat().st_size for p in out.parent.iterdir())
     shutil.rmtree(out.parent)
     return Step(name, run.seconds, run.peak_bytes, graph, weights, size, round_, copy_s, cpu)
-
-
-def export_direct() -> int:
-    """Child process entry (argv: checkpoint folder, output): the export with every layer traced."""
-    from exporters.hf_checkpoint import export_hf
-
-    result = export_hf(sys.argv[1], sys.argv[2], replicate=False)
-    print(f"  time: graph {result.trace_seconds:.1f} s, weights {result.write_seconds:.1f} s")
-    return 0

@@ -7,19 +7,16 @@ How (see docs/export.md, "Hugging Face checkpoints"):
 1. config.json is read into per-layer shapes (exporters.hf_config) and the safetensors headers (one file or
    shards listed by model.safetensors.index.json) into a table name -> file, dtype, shape, byte range.
    Every tensor the model needs is checked against that table before anything is written.
-2. exporters.hf_model builds the model on the meta device (no weight memory) with the checkpoint's parameter
-   names, and torch.onnx.export(dynamo=True, optimize=False) traces it. Its initializers are then the
-   parameters, named as in the checkpoint (a tied lm_head appears once, under one of its two names).
-   Tracing costs seconds per layer, so a prefill graph is traced with one layer per distinct block kind
-   and its layers are then copied into the full sequence (exporters.hf_replicate).
-3. The rotary buffers get their real values; the parameters get no value at all, so that the exporter's
-   optimizer (run next, the same one `optimize=True` runs) folds everything else but leaves every weight
-   as an untouched, named initializer (linear weights stay [out, in], read through Transpose).
-4. Each weight initializer becomes an external-data reference into `<model>.data`, written tensor by tensor
-   straight from the memory-mapped shards: a kernel copy (copy_file_range) when the dtype is kept, and
-   row chunks through safetensors' get_slice when it is converted. Peak memory stays at the graph plus
-   one chunk. The names and places of the weights are known from step 1, so the data file is written in
-   a second thread while steps 2-3 build the graph.
+2. Each weight gets a page-aligned place in `<model>.data`, known from step 1 alone, so a second thread
+   starts writing the data file at once, tensor by tensor straight from the shards: a kernel copy
+   (copy_file_range) when the dtype is kept, row chunks converted with numpy when it changes. Peak memory
+   stays at the graph plus one chunk.
+3. Meanwhile the prefill graph is built directly with onnx-ir from the config (exporters.hf_graph, no
+   torch, a fraction of a second): every weight is an initializer named as its checkpoint tensor, with a
+   shape and no value (linear weights stay [out, in], read through Transpose). The --decode graph is
+   traced from exporters/decode.py's torch model on the meta device (exporters.hf_model) with
+   torch.onnx.export(dynamo=True); its parameters become value-less initializers the same way.
+4. Each value-less initializer becomes an external-data reference to its place in `<model>.data`.
 
 Everything is written into a staging folder beside the output and moved into place at the end, so a
 failed export leaves nothing behind.
@@ -42,15 +39,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import onnx_ir as ir
-
 from exporters.hf_config import DTYPES, HfConfig, decode_spec, expected_tensors, layer_kinds, read_config
 from exporters.results import ExportResult
 from passes.errors import UserError
-from passes.model_io import commit_output, staged_output
+from passes.staging import commit_output, staged_output
 
-if TYPE_CHECKING:  # torch is imported only once the input has been checked (bad input fails fast)
-    import torch
+if TYPE_CHECKING:  # onnx_ir (~1.5 s to import) and torch (--decode only) load once the weight copy runs
+    import onnx_ir as ir
 
     from exporters import hf_model
     from exporters.spec import ModelSpec
@@ -78,7 +73,9 @@ CHUNK_BYTES = 64 << 20  # rows converted at a time when the dtype changes
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 _SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
-_IR_DTYPES = {"float32": ir.DataType.FLOAT, "float16": ir.DataType.FLOAT16, "bfloat16": ir.DataType.BFLOAT16}
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+# exporters.hf_graph's ops mean the same from opset 18 (ReduceMean's axes as an input) to 23.
+PREFILL_OPSETS = range(18, 24)
 
 
 @dataclass(frozen=True)
@@ -250,7 +247,7 @@ class HfExportResult(ExportResult):
     dtype: str
     side_files: list[Path] = field(default_factory=list)
     layer_kinds: list[str] = field(default_factory=list)
-    trace_seconds: float = 0.0  # building the graph: importing torch, tracing, the exporter's optimizer
+    trace_seconds: float = 0.0  # building the graph (for --decode: importing torch, tracing, optimizing)
     write_seconds: float = 0.0  # streaming the weights into the data file (from the start, at the same time)
     cache_layers: list[int] = field(default_factory=list)  # decode graphs: the layers with a KV cache
 
@@ -274,46 +271,46 @@ def export_hf(
     dtype: str | None = None,
     opset: int | None = None,
     decode: bool = False,
-    replicate: bool = True,
     log: Callable[[str], None] = lambda message: None,
 ) -> HfExportResult:
     """Export the checkpoint in `folder` to `output` (+ `<output>.data` and the side files beside it).
 
     `dtype` (float32 | float16 | bfloat16) defaults to the checkpoint's torch_dtype. `decode` writes the
     KV-cache decode graph of exporters/decode.py instead (float32; see hf_config.decode_spec for what it
-    covers). `replicate` traces one layer per distinct block kind and copies it (exporters.hf_replicate;
-    False traces every layer). Raises UserError for bad input before anything is written (and before torch
-    is imported).
+    covers). Raises UserError for bad input before anything is written. The prefill export never imports
+    torch.
     """
     start = time.perf_counter()
     folder, output = Path(folder), Path(output)
     if decode and dtype not in (None, "float32"):
         raise UserError(f"--decode writes float32 graphs (float32 KV cache); drop --dtype {dtype}")
+    if opset is not None and not decode and opset not in PREFILL_OPSETS:
+        first, last = PREFILL_OPSETS[0], PREFILL_OPSETS[-1]
+        raise UserError(f"--opset {opset}: the --hf graph is written at opset {first} to {last}")
     config, sources, dtype = check_folder(folder, "float32" if decode else dtype)
     spec = decode_spec(config) if decode else None
     kind = "the decode graph of " if decode else ""
     log(f"exporting {kind}{folder} to {output} ({dtype}; weights streamed from the safetensors) ...")
-    ir_dtype = _IR_DTYPES[dtype]
-    placements = plan_layout(sources, int(ir_dtype.itemsize))
+    placements = plan_layout(sources, ITEMSIZE[dtype])
     stop = threading.Event()
     with staged_output(output) as staging, ThreadPoolExecutor(max_workers=1) as pool:
         staged = staging / output.name
         # The weights' names and places come from config.json and the safetensors headers alone, so the
-        # copy starts first and runs (in the kernel, without the GIL) while torch is imported and traced.
+        # copy starts first and runs (in the kernel, without the GIL) while the graph is built.
         writing = pool.submit(
-            write_data, staged.with_name(f"{staged.name}.data"), sources, placements, ir_dtype, stop
+            write_data, staged.with_name(f"{staged.name}.data"), sources, placements, dtype, stop
         )
         try:
-            traced = time.perf_counter()
-            onnx_model = build_graph(config, spec, sources, dtype, opset, replicate, log)
-            trace_seconds = time.perf_counter() - traced
+            built = time.perf_counter()
+            onnx_model = build_graph(config, spec, sources, dtype, opset)
+            trace_seconds = time.perf_counter() - built
             onnx_model.metadata_props[METADATA_KEY] = json.dumps(describe(config, folder, dtype))
-            attach_weights(onnx_model, placements, staged, ir_dtype)
+            attach_weights(onnx_model, placements, staged, dtype)
             write_seconds = writing.result()
         except BaseException:
             stop.set()  # the writer stops after its current tensor; the staging folder is removed
             raise
-        ir.save(onnx_model, staged)
+        _save(onnx_model, staged)
         side = [staging / n for n in SIDE_FILES if (folder / n).is_file()]
         for path in side:
             shutil.copyfile(folder / path.name, path)
@@ -345,41 +342,35 @@ def build_graph(
     sources: dict[str, WeightSource],
     dtype: str,
     opset: int | None,
-    replicate: bool,
-    log: Callable[[str], None],
 ) -> ir.Model:
-    """The graph with value-less weights: the decode graph for a `spec`, else the prefill graph, traced
-    one layer per distinct kind and replicated when `replicate` allows (else every layer traced)."""
-    from exporters import hf_model
+    """The graph with value-less weights: the decode graph traced for a `spec`, else the prefill graph
+    built with onnx-ir. Its weights must be the planned tensors, shape for shape."""
+    if spec is None:
+        from exporters.hf_graph import build_prefill
 
-    if spec is not None:
-        traceable = hf_model.decode_traceable(config, spec)
+        model = build_prefill(config, dtype, opset)
     else:
-        onnx_model = trace_prefill(config, sources, dtype, opset, log) if replicate else None
-        if onnx_model is not None:
-            return onnx_model
-        traceable = hf_model.prefill_traceable(config, hf_model.TORCH_DTYPES[dtype])
-    _check_model_against_plan(traceable.model, sources)
-    return trace(traceable, opset)
+        from exporters import hf_model
+
+        model = trace(hf_model.decode_traceable(config, spec), opset)
+    _check_weights(model, sources)
+    return model
 
 
-def _check_model_against_plan(
-    model: torch.nn.Module,
-    sources: dict[str, WeightSource],
-    checkpoint_name: Callable[[str], str] = lambda name: name,
-) -> None:
-    """The torch model and config-derived tensor list must agree (a bug otherwise, not bad input)."""
-    for name, param in model.named_parameters(remove_duplicate=False):
-        source = sources.get(checkpoint_name(name))
-        if source is None or tuple(param.shape) != source.shape:
+def _check_weights(model: ir.Model, sources: dict[str, WeightSource]) -> None:
+    """The graph's weights and the config-derived tensor list must agree (a bug otherwise, not bad input)."""
+    for name, value in model.graph.initializers.items():
+        source = sources.get(name)
+        if value.const_value is None and (source is None or tuple(value.shape) != source.shape):
             raise RuntimeError(
-                f"internal error: model parameter {name!r} {list(param.shape)} does not match "
+                f"internal error: graph weight {name!r} {list(value.shape)} does not match "
                 "exporters.hf_config.expected_tensors"
             )
 
 
 def trace(traceable: hf_model.Traceable, opset: int | None) -> ir.Model:
     """The optimized graph of a meta model; weight initializers keep their names and have no value."""
+    import onnx_ir as ir
     import torch
 
     from exporters.hf_model import parameter_aliases
@@ -398,7 +389,7 @@ def trace(traceable: hf_model.Traceable, opset: int | None) -> ir.Model:
         )
         for name, value in program.model.graph.initializers.items():
             if name in traceable.buffers:
-                value.const_value = ir.tensor(traceable.buffers[name].numpy(), name=name)
+                value.const_value = ir.tensor(traceable.buffers[name], name=name)
             elif name in parameters:
                 value.const_value = None  # the optimizer neither reads nor folds a value it does not have
             else:
@@ -410,30 +401,11 @@ def trace(traceable: hf_model.Traceable, opset: int | None) -> ir.Model:
     return onnx_model
 
 
-def trace_prefill(
-    config: HfConfig,
-    sources: dict[str, WeightSource],
-    dtype: str,
-    opset: int | None,
-    log: Callable[[str], None],
-) -> ir.Model | None:
-    """The prefill graph traced with one layer per distinct kind and replicated (None: trace it whole)."""
-    from exporters import hf_model, hf_replicate
+def _save(model: ir.Model, path: Path) -> None:
+    import onnx_ir as ir
 
-    if not hf_replicate.worth_replicating(config):
-        return None
-    reduced = hf_model.prefill_traceable(hf_replicate.reduced_config(config), hf_model.TORCH_DTYPES[dtype])
-    representatives, _ = hf_replicate.kind_map(config)
-    _check_model_against_plan(
-        reduced.model, sources, lambda name: hf_replicate.representative_name(name, representatives)
-    )
-    onnx_model = trace(reduced, opset)
-    try:
-        hf_replicate.replicate_layers(onnx_model, config)
-    except hf_replicate.ReplicationError as exc:
-        log(f"cannot replicate layers ({exc}); tracing every layer")
-        return None
-    return onnx_model
+    with _quiet_logger("onnx_ir"):
+        ir.save(model, path)
 
 
 @contextlib.contextmanager
@@ -490,15 +462,19 @@ def write_data(
     data_path: Path,
     sources: dict[str, WeightSource],
     placements: dict[str, Placement],
-    dtype: ir.DataType,
+    dtype: str,
     stop: threading.Event | None = None,
 ) -> float:
-    """Write every weight at its place, tensor by tensor from the shards; returns the seconds it took.
+    """Write every weight at its place in `dtype`, tensor by tensor from the shards; returns the seconds it
+    took.
 
-    Returns early (the file incomplete) once `stop` is set: the export failed elsewhere."""
+    Returns early (the file incomplete) once `stop` is set: the export failed elsewhere. Each shard is
+    opened once and each kept-dtype tensor is one kernel copy: the loop needs the GIL, which the graph
+    builder holds most of the time, as rarely as it can."""
     start = time.perf_counter()
     done: set[Placement] = set()
     end = max((p.offset + p.length for p in placements.values()), default=0)
+    shards: dict[Path, int] = {}
     fd = os.open(data_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         for name, placement in sorted(placements.items(), key=lambda kv: kv[1].offset):
@@ -506,7 +482,10 @@ def write_data(
                 continue
             if stop is not None and stop.is_set():
                 return time.perf_counter() - start
-            written = _write_tensor(fd, placement.offset, sources[name].entry, dtype)
+            entry = sources[name].entry
+            if entry.file not in shards:
+                shards[entry.file] = os.open(entry.file, os.O_RDONLY)
+            written = _write_tensor(shards[entry.file], entry, fd, placement.offset, dtype)
             if written != placement.length:
                 raise RuntimeError(
                     f"internal error: {name} wrote {written} bytes, expected {placement.length}"
@@ -516,13 +495,18 @@ def write_data(
     except OSError as exc:
         raise UserError(f"cannot write {data_path}: {exc.strerror or exc}") from None
     finally:
-        os.close(fd)
+        for shard in [fd, *shards.values()]:
+            os.close(shard)
     return time.perf_counter() - start
 
 
-def attach_weights(model: ir.Model, placements: dict[str, Placement], path: Path, dtype: ir.DataType) -> None:
+def attach_weights(model: ir.Model, placements: dict[str, Placement], path: Path, dtype: str) -> None:
     """Point every value-less initializer (a weight) at its place in `<path>.data`; every place written
     must be read by the graph (a bug otherwise: the data file would carry dead bytes)."""
+    import onnx_ir as ir
+
+    from exporters.hf_graph import IR_DTYPES
+
     data_name = f"{path.name}.data"
     attached: set[Placement] = set()
     for name, value in model.graph.initializers.items():
@@ -535,7 +519,7 @@ def attach_weights(model: ir.Model, placements: dict[str, Placement], path: Path
             data_name,
             placement.offset,
             placement.length,
-            dtype,
+            IR_DTYPES[dtype],
             shape=ir.Shape(value.shape),
             name=name,
             base_dir=path.parent,
@@ -546,51 +530,45 @@ def attach_weights(model: ir.Model, placements: dict[str, Placement], path: Path
         raise RuntimeError(f"internal error: the graph reads no initializer for {', '.join(unread[:5])}")
 
 
-def _write_tensor(fd: int, offset: int, entry: TensorEntry, dtype: ir.DataType) -> int:
-    """Copy one checkpoint tensor to `fd` at `offset` in `dtype`; returns the bytes written."""
-    if _IR_DTYPES[_SAFETENSORS_DTYPES[entry.dtype]] == dtype:
-        return _copy_range(entry.file, entry.start, entry.end - entry.start, fd, offset)
-    return _convert(entry, fd, offset, _dtype_name(dtype))
+def _write_tensor(src: int, entry: TensorEntry, fd: int, offset: int, dtype: str) -> int:
+    """Copy one checkpoint tensor (in the shard open as `src`) to `fd` at `offset` in `dtype`; returns the
+    bytes written."""
+    if _SAFETENSORS_DTYPES[entry.dtype] == dtype:
+        return _copy_range(src, entry.start, entry.end - entry.start, fd, offset)
+    return _convert(src, entry, fd, offset, dtype)
 
 
-def _dtype_name(dtype: ir.DataType) -> str:
-    return next(name for name, d in _IR_DTYPES.items() if d == dtype)
-
-
-def _copy_range(source: Path, start: int, length: int, fd: int, offset: int) -> int:
+def _copy_range(src: int, start: int, length: int, fd: int, offset: int) -> int:
     """Kernel-side copy of a byte range (no user-space buffer); plain reads where that is unsupported."""
-    with open(source, "rb") as f:
-        src = f.fileno()
-        done = 0
-        try:
-            while done < length:
-                n = os.copy_file_range(src, fd, length - done, start + done, offset + done)
-                if n == 0:
-                    raise OSError("copy_file_range copied nothing")
-                done += n
-        except OSError:
-            while done < length:
-                chunk = os.pread(src, min(CHUNK_BYTES, length - done), start + done)
-                done += os.pwrite(fd, chunk, offset + done)
+    done = 0
+    try:
+        while done < length:
+            n = os.copy_file_range(src, fd, length - done, start + done, offset + done)
+            if n == 0:
+                raise OSError("copy_file_range copied nothing")
+            done += n
+    except OSError:
+        while done < length:
+            chunk = os.pread(src, min(CHUNK_BYTES, length - done), start + done)
+            done += os.pwrite(fd, chunk, offset + done)
     return length
 
 
-def _convert(entry: TensorEntry, fd: int, offset: int, dtype_name: str) -> int:
-    """Convert in row chunks read through safetensors' get_slice (memory-mapped)."""
-    import torch
-    from safetensors import safe_open
+def _convert(src: int, entry: TensorEntry, fd: int, offset: int, dtype: str) -> int:
+    """Convert in row chunks read from the shard: through float32, rounding to nearest even as torch's
+    `.to(dtype)` does (bfloat16 from ml_dtypes, which onnx already loads)."""
+    import ml_dtypes
+    import numpy as np
 
-    from exporters.hf_model import TORCH_DTYPES
-
-    dtype = TORCH_DTYPES[dtype_name]
+    numpy_dtypes = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+    source, target = numpy_dtypes[_SAFETENSORS_DTYPES[entry.dtype]], numpy_dtypes[dtype]
+    length = entry.end - entry.start
     rows = entry.shape[0] if entry.shape else 1
-    row_bytes = max(1, (entry.end - entry.start) // max(rows, 1))
-    step = max(1, CHUNK_BYTES // row_bytes)
+    row_bytes = max(1, length // max(rows, 1))
+    step = max(1, CHUNK_BYTES // row_bytes) * row_bytes
     written = 0
-    with safe_open(str(entry.file), framework="pt") as f:
-        tensor_slice = f.get_slice(entry.name)
-        for first in range(0, rows, step):
-            chunk = tensor_slice[first : first + step] if entry.shape else f.get_tensor(entry.name)
-            data = chunk.to(dtype).contiguous().view(torch.uint8).numpy()
-            written += os.pwrite(fd, memoryview(data).cast("B"), offset + written)
+    for first in range(0, length, step):
+        raw = os.pread(src, min(step, length - first), entry.start + first)
+        data = np.frombuffer(raw, dtype=source).astype(np.float32).astype(target)
+        written += os.pwrite(fd, memoryview(data.view(np.uint8)), offset + written)
     return written

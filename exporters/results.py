@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from exporters.spec import attention_free_runs
-
 
 @dataclass
 class ExportResult:
@@ -22,4 +20,6 @@ class ExportResult:
 
     @property
     def attention_free_runs(self) -> list[tuple[int, int]]:
+        from passes.blocks import attention_free_runs  # imports onnx_ir: on use, not with this module
+
         return attention_free_runs(self.attention)

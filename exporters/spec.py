@@ -13,8 +13,18 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from passes.blocks import attention_free_runs  # noqa: F401  (re-exported: part of the spec API)
 from passes.errors import UserError
+
+
+def __getattr__(name: str) -> Any:
+    """attention_free_runs, re-exported from passes.blocks (part of the spec API) on first use: passes.blocks
+    imports onnx_ir (~1.5 s), which `export_model.py --hf` does not wait for before it starts copying."""
+    if name == "attention_free_runs":
+        from passes.blocks import attention_free_runs
+
+        return attention_free_runs
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 # The paper's rounding granularity for FFN widths (docs/design.md §6: ceil256).
 PAPER_FFN_GRANULARITY = 256

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +11,7 @@ import onnx_ir as ir
 from google.protobuf.message import DecodeError
 
 from passes.errors import UserError
+from passes.staging import commit_output, staged_output  # noqa: F401  (re-exported)
 
 # Above this many initializer bytes a model must be saved with external data (protobuf's 2 GB limit).
 EXTERNAL_DATA_THRESHOLD = 1_800_000_000
@@ -78,26 +76,6 @@ def weight_bytes(model: ir.Model) -> int:
     return sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
 
 
-@contextlib.contextmanager
-def staged_output(path: str | Path) -> Iterator[Path]:
-    """A temporary folder beside `path`; commit_output() moves its files into place, else nothing stays."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
-    try:
-        yield staging
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-
-
 def save_model(model: ir.Model, path: Path, external: bool) -> None:
     """Save (external data as `<name>.data` beside it when `external`); tensors are written one at a time."""
     ir.save(model, path, external_data=f"{path.name}.data" if external else None)
-
-
-def commit_output(staged: Path, path: Path) -> None:
-    """Move a staged model (and its data file) to `path`; the data file first, the model last."""
-    data = staged.with_name(f"{staged.name}.data")
-    if data.exists():
-        os.replace(data, path.with_name(f"{path.name}.data"))
-    os.replace(staged, path)

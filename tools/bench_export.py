@@ -1,13 +1,14 @@
 """Streaming benchmark of `export_model.py --hf` on a generated multi-GB nemotron-nas checkpoint.
 
 Measures, side by side and each in a fresh child process (peak RSS from /proc VmHWM): a plain copy of the
-checkpoint's safetensors files, the bf16 export, and with --convert the float16 export, alternating for
+checkpoint's safetensors files, the bf16 export (weights copied by the kernel in a second thread while the
+graph is built with onnx-ir, no torch), and with --convert the float16 export, alternating for
 --rounds rounds after one untimed copy (the page cache in the same state for each; `sync` before each).
 Bounds: peak RSS <= 1 GB + the largest single tensor, time within 2x of the copy (exporters/hf_bench.py).
 Default: hidden 2048, 72 layers (every other one attention-free), vocab 32000: about 3.8 GB bf16; needs
 about 2.5x that of free disk in --workdir (default /tmp); everything is deleted afterwards.
 
-  python tools/bench_export.py [--workdir DIR] [--rounds 2] [--convert] [--direct] [--json]
+  python tools/bench_export.py [--workdir DIR] [--rounds 2] [--convert] [--json]
   python tools/bench_export.py --hidden 256 --layers 4 --vocab 1000     # a quick run
 """
 
@@ -32,9 +33,6 @@ def main() -> int:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--shards", type=int, default=8)
     parser.add_argument("--convert", action="store_true", help="also export with --dtype float16")
-    parser.add_argument(
-        "--direct", action="store_true", help="also export tracing every layer (no replication)"
-    )
     parser.add_argument("--rounds", type=int, default=2, help="copy/export rounds, alternating (default 2)")
     parser.add_argument("--workdir", type=Path, help="where to write (default: a temporary folder in /tmp)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
@@ -50,7 +48,6 @@ def main() -> int:
             args.vocab,
             args.shards,
             args.convert,
-            args.direct,
             args.rounds,
             log=lambda m: print(m, file=sys.stderr, flush=True),
         )

@@ -1,5 +1,5 @@
-"""Export a model to ONNX (torch.onnx dynamo exporter): a Hugging Face checkpoint folder, SmolLM2-135M,
-a JSON spec, or Puzzle-49B's shape.
+"""Export a model to ONNX: a Hugging Face checkpoint folder (graph built with onnx-ir, weights streamed;
+--decode traces with torch), or SmolLM2-135M, a JSON spec or Puzzle-49B's shape (torch.onnx dynamo exporter).
 
 Examples:
   python tools/export_model.py --hf Llama-3_3-Nemotron-Super-49B-v1 -o super49b/model.onnx
@@ -124,11 +124,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def export_hf_folder(args: argparse.Namespace) -> int:
-    from exporters import hf_checkpoint, spec
+    from exporters import hf_checkpoint
 
     result = hf_checkpoint.export_hf(args.hf, args.output, dtype=args.dtype, opset=args.opset,
                                      decode=args.decode,
                                      log=lambda message: print(message, file=sys.stderr, flush=True))
+    # Imported after the export: it imports onnx_ir, which the weight copy does not wait for.
+    from exporters import spec
+
     config = result.config
     files = " + ".join(str(f) for f in result.files)
     print(f"wrote {files} ({result.bytes / 2**20:.1f} MiB, {result.dtype}, opset {result.opset}, "

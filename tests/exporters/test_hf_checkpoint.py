@@ -322,95 +322,67 @@ def test_nemotron_bf16_export_runs(nemotron_bf16, nemotron_fp32) -> None:
     assert np.abs(bf16 - fp32).max() <= 0.05 * np.abs(fp32).max()
 
 
-# Repeated kinds among distinct ones: GQA with two KV-head counts, attention-free runs, a no_op FFN, a
-# Linear attention and a Linear FFN, and an all-no_op layer (no nodes at all).
-REPLICATED_BLOCKS = [
-    deci_block(4, 1.0),
+# Every kind of layer, some repeated: GQA with two KV-head counts, attention-free runs, a no_op FFN, a Linear
+# attention with a Linear FFN, an all-no_op layer (no nodes at all), and SwiGLU widths 256 (= hidden),
+# 512 and 1024 (hidden 256: ffn_mult 1.0, 2.0, 5.25).
+LAYER_KINDS_BLOCKS = [
+    deci_block(4, 2.0),
+    deci_block("no_op", 5.25),
     deci_block("no_op", 1.0),
-    deci_block("no_op", 1.0),
-    deci_block(4, 1.0),
+    deci_block(4, 5.25),
     deci_block("linear", "linear"),
     deci_block("no_op", 2.0),
     deci_block("no_op", "no_op"),
     deci_block(2, "no_op"),
     deci_block("no_op", 1.0),
-    deci_block(4, 1.0),
+    deci_block(4, 2.0),
 ]
 
 
-def _scoped_ops(path: Path) -> dict[tuple[str, str, str], int]:
-    """(innermost model.layers.N scope or "", op type, output shapes) -> count, from the exporter's name
-    scopes and the graph's value shapes."""
-    import re
+def _layer_ops(path: Path) -> dict[str, dict[str, int]]:
+    """Per source layer as passes.model_map.layer_name reads it from the graph: op type -> count."""
     from collections import Counter
 
-    graph = onnx.load(str(path), load_external_data=False).graph
-    shapes = {
-        v.name: str([d.dim_value or d.dim_param for d in v.type.tensor_type.shape.dim])
-        for v in [*graph.value_info, *graph.output]
-    }
-    counts: Counter = Counter()
-    for node in graph.node:
-        scopes = {p.key: p.value for p in node.metadata_props}.get("pkg.torch.onnx.name_scopes", "")
-        layer = re.search(r"'(model\.layers\.\d+)'", scopes)
-        outputs = " ".join(shapes.get(o, "?") for o in node.output)
-        counts[(layer.group(1) if layer else "", node.op_type, outputs)] += 1
-    return dict(counts)
+    from passes.model_io import load_model
+    from passes.model_map import layer_name
+
+    layers: dict[str, Counter] = {}
+    for node in load_model(path).graph:
+        layers.setdefault(layer_name(node) or "", Counter())[node.op_type] += 1
+    return {name: dict(ops) for name, ops in layers.items()}
 
 
-# SwiGLU widths that differ within one structure (traced once, the width replaced in the copies' shapes),
-# and a width equal to the hidden size (traced with its own width): hidden 256 gives ffn_mult 1.0 -> 256,
-# 2.0 -> 512, 5.25 -> 1024.
-WIDTH_BLOCKS = [
-    deci_block(4, 2.0),
-    deci_block("no_op", 5.25),
-    deci_block(4, 5.25),
-    deci_block("no_op", 2.0),
-    deci_block(4, 1.0),
-    deci_block("no_op", 1.0),
-    deci_block(4, 2.0),
-]
-
-
-def _replicated_and_direct(folder: Path, tmp_path: Path) -> tuple:
-    """Both exports of `folder` (float32); the replicated one must not fall back, and both must give the
-    same per-layer ops and shapes and the same logits, which match the independent reference."""
-    messages: list[str] = []
-    replicated = export_hf(folder, tmp_path / "rep" / "model.onnx", dtype="float32", log=messages.append)
-    assert not any("cannot replicate" in m for m in messages), messages
-    direct = export_hf(folder, tmp_path / "direct" / "model.onnx", dtype="float32", replicate=False)
-    assert _scoped_ops(replicated.path) == _scoped_ops(direct.path)  # per-layer ops and shapes
-    ids = tokens()
-    got, want = run_onnx(replicated.path, ids), run_onnx(direct.path, ids)
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
-    expected = reference_logits(folder, ids)
-    assert np.abs(got - expected).max() <= TOLERANCE * max(1.0, np.abs(expected).max())
-    return replicated, direct
-
-
-def test_replicated_widths_equal_direct_trace(tmp_path) -> None:
-    from exporters.hf_config import read_config
-    from exporters.hf_replicate import kind_map
-
-    config = nemotron_config(WIDTH_BLOCKS, hidden=256, heads=4, vocab=VOCAB, rope_scaling=NEMOTRON_ROPE)
-    folder = write_nemotron(tmp_path / "ckpt", config, shards=1, seed=5)
-    assert kind_map(read_config(folder))[1] == [0, 1, 0, 1, 2, 3, 0]  # width 256 = hidden: own kinds
-    replicated, _ = _replicated_and_direct(folder, tmp_path)
-    assert ("model.layers.2", "MatMul", "['batch', 'seq', 1024]") in _scoped_ops(replicated.path)  # not 512
-
-
-def test_replicated_layers_equal_direct_trace(tmp_path) -> None:
-    config = nemotron_config(REPLICATED_BLOCKS, hidden=64, heads=4, vocab=VOCAB, rope_scaling=NEMOTRON_ROPE)
+def test_every_layer_kind_matches_reference(tmp_path) -> None:
+    """exporters.hf_graph writes each layer from its own LayerConfig: the logits match the independent
+    reference, each layer holds the ops of its kind under its own name, and each SwiGLU its own width."""
+    config = nemotron_config(LAYER_KINDS_BLOCKS, hidden=256, heads=4, vocab=VOCAB, rope_scaling=NEMOTRON_ROPE)
     folder = write_nemotron(tmp_path / "ckpt", config, shards=2, seed=3)
-    replicated, direct = _replicated_and_direct(folder, tmp_path)
-    assert isinstance(replicated, ExportResult) and replicated.attention_free_runs == [(1, 2), (5, 6), (8, 8)]
-    graphs = [onnx.load(str(r.path), load_external_data=False).graph for r in (replicated, direct)]
-    assert len(graphs[0].node) == len(graphs[1].node)
-    external = onnx.TensorProto.EXTERNAL
-    weights = [{t.name for t in g.initializer if t.data_location == external} for g in graphs]
-    assert weights[0] == weights[1] and "model.layers.9.self_attn.q_proj.weight" in weights[0]
-    assert len(graphs[0].initializer) == len(graphs[1].initializer)
-    assert any(n.name.startswith("layers.9/") for n in graphs[0].node)  # layer 9 is a copy of layer 0
+    result = export_hf(folder, tmp_path / "onnx" / "model.onnx", dtype="float32")
+    assert isinstance(result, ExportResult) and result.attention_free_runs == [(1, 2), (5, 6), (8, 8)]
+    ids = tokens()
+    expected = reference_logits(folder, ids)
+    assert np.abs(run_onnx(result.path, ids) - expected).max() <= TOLERANCE * max(1.0, np.abs(expected).max())
+    ops = _layer_ops(result.path)
+    # Two norms of 7 ops; q/k/v/o and gate/up/down read through Transpose -> MatMul; attention: 3 head
+    # Transposes + k^T + the output's, 6 Reshapes, 2 MatMuls, rotary Slice/Neg/Concat on q and k.
+    norms = {"Pow": 2, "ReduceMean": 2, "Sqrt": 2, "Reciprocal": 2}
+    full = norms | {"Softmax": 1, "Sigmoid": 1, "MatMul": 9, "Transpose": 12, "Reshape": 6, "Neg": 2}
+    for layer in (0, 3, 9):
+        assert {op: ops[f"model.layers.{layer}"].get(op, 0) for op in full} == full, layer
+    linear = norms | {"Add": 4, "Mul": 4, "Transpose": 2, "MatMul": 2}  # eps Adds, residual Adds
+    assert ops["model.layers.4"] == linear
+    assert "model.layers.6" not in ops  # attention and FFN no_op: no nodes
+    assert ops["model.layers.7"]["Softmax"] == 1 and "Sigmoid" not in ops["model.layers.7"]
+    graph = onnx.load(str(result.path), load_external_data=False).graph
+    widths = {
+        int(v.name.split(".")[2]): v.type.tensor_type.shape.dim[-1].dim_value
+        for v in graph.value_info
+        if v.name.endswith(".mlp.gate_proj/MatMul")
+    }
+    assert widths == {0: 512, 1: 1024, 2: 256, 3: 1024, 5: 512, 8: 256, 9: 512}
+    external = {t.name for t in graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL}
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    assert external == set(index["weight_map"])
 
 
 def test_llama_with_dropped_attention_matches_transformers(llama_dropped) -> None:
