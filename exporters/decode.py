@@ -17,10 +17,10 @@ own first real token. A query attends to cache slots that are not padding and no
 Attention-free blocks (DeciLM / Puzzle) have no cache tensors at all: the paper's halved KV memory.
 Layer numbers L are the source model's block indices (they stay the same after fusion).
 
-The wrapper reuses exporters.llama's RMSNorm and MLP and keeps SpecLlama's parameter names
-(model.layers.N.self_attn.q_proj, ...), so a SpecLlama's or a Hugging Face Llama's state dict loads as
-is and the residual stream (embedding Gather -> residual Adds -> final norm) is the one passes.blocks
-walks in the prefill-only export.
+The wrapper subclasses exporters.llama's SpecLlama, Backbone, DecoderBlock and Attention, so it keeps
+their parameter names (model.layers.N.self_attn.q_proj, ...): a SpecLlama's or a Hugging Face Llama's
+state dict loads as is, and the residual stream (embedding Gather -> residual Adds -> final norm) is the
+one passes.blocks walks in the prefill-only export.
 """
 
 from __future__ import annotations
@@ -36,12 +36,10 @@ import onnx_ir as ir
 import torch
 from torch import nn
 
-from exporters.llama import Attention, DecoderBlock, RMSNorm, build_model
-from exporters.onnx_export import quiet_export as _quiet
+from exporters.llama import Attention, Backbone, DecoderBlock, SpecLlama, build_model
+from exporters.onnx_export import EXTERNAL_DATA_THRESHOLD, dynamo_export, save_export
 from exporters.spec import BlockSpec, ModelSpec
 
-# Same as exporters.onnx_export.EXTERNAL_DATA_THRESHOLD: above it the weights go to `<name>.data`.
-EXTERNAL_DATA_THRESHOLD = 2**31 - 2**26
 # Metadata key of the decode graph description (JSON); fusion keeps model metadata.
 METADATA_KEY = "ffn_fusion.decode"
 FORMAT = "ffn-fusion-decode/1"
@@ -58,22 +56,26 @@ def present_names(layer: int) -> tuple[str, str]:
     return f"present_key_{layer}", f"present_value_{layer}"
 
 
+@dataclass(frozen=True)
+class AttentionInputs:
+    """What every attention layer of one forward reads besides the stream: rotary cos/sin [b, 1, s, d] and
+    the additive attention bias [b, 1, 1, s, total]."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    bias: torch.Tensor
+
+
 class CachedAttention(Attention):
     """exporters.llama.Attention (same parameters) with an explicit past K/V concatenated in front."""
 
     def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        bias: torch.Tensor,
-        past_k: torch.Tensor,
-        past_v: torch.Tensor,
+        self, x: torch.Tensor, step: AttentionInputs, past: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q, k, v = self.project(x, cos, sin)
-        k_all = torch.cat((past_k, k), dim=2)  # b, kv, past + s, d
-        v_all = torch.cat((past_v, v), dim=2)
-        return self.attend(q, k_all, v_all, bias), k_all, v_all
+        q, k, v = self.project(x, step.cos, step.sin)
+        k_all = torch.cat((past[0], k), dim=2)  # b, kv, past + s, d
+        v_all = torch.cat((past[1], v), dim=2)
+        return self.attend(q, k_all, v_all, step.bias), k_all, v_all
 
 
 class CachedBlock(DecoderBlock):
@@ -82,43 +84,25 @@ class CachedBlock(DecoderBlock):
     attention_class = CachedAttention
 
     def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        bias: torch.Tensor,
-        past: tuple[torch.Tensor, torch.Tensor] | None,
+        self, x: torch.Tensor, step: AttentionInputs, past: tuple[torch.Tensor, torch.Tensor] | None
     ) -> tuple[torch.Tensor, tuple | None]:
         present = None
         if self.has_attention:
             assert past is not None
-            attn, k_all, v_all = self.self_attn(self.input_layernorm(x), cos, sin, bias, *past)
+            attn, k_all, v_all = self.self_attn(self.input_layernorm(x), step, past)
             x = x + attn
             present = (k_all, v_all)
         return x + self.mlp(self.post_attention_layernorm(x)), present
 
 
-class CachedBackbone(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab, spec.hidden)
-        self.layers = nn.ModuleList(CachedBlock(spec, i) for i in range(spec.n_blocks))
-        self.norm = RMSNorm(spec.hidden, spec.eps)
-        head_dim = spec.resolved_head_dim
-        inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+class CachedBackbone(Backbone):
+    block_class = CachedBlock
 
 
-class DecodeLlama(nn.Module):
+class DecodeLlama(SpecLlama):
     """forward(input_ids, attention_mask, *past) -> (logits, *present); see the module docstring."""
 
-    def __init__(self, spec: ModelSpec) -> None:
-        super().__init__()
-        self.spec = spec
-        self.model = CachedBackbone(spec)
-        self.lm_head = nn.Linear(spec.hidden, spec.vocab, bias=False)
-        if spec.tie_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+    backbone_class = CachedBackbone
 
     @property
     def cache_layers(self) -> list[int]:
@@ -140,12 +124,13 @@ class DecodeLlama(nn.Module):
         allowed = (key_slot[None, :] <= query_slot[:, None])[None] & valid[:, None, :]  # b, s, total
         # A finite "minus infinity": a padding query that sees no key gets a uniform (not NaN) softmax.
         bias = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)[:, None, None]  # b, 1, 1, s, t
+        step = AttentionInputs(cos, sin, bias)
         x = self.model.embed_tokens(input_ids)
         presents: list[torch.Tensor] = []
         cache = iter(past)
         for layer in self.model.layers:
             layer_past = (next(cache), next(cache)) if layer.has_attention else None
-            x, present = layer(x, cos, sin, bias, layer_past)
+            x, present = layer(x, step, layer_past)
             if present is not None:
                 presents.extend(present)
         logits = self.lm_head(self.model.norm(x)).float()
@@ -249,22 +234,15 @@ def export_decode(
         tuple({0: "batch", 2: "past_len"} for _ in past),
     )
     start = time.perf_counter()
-    with _quiet() as printed, torch.no_grad():
-        try:
-            program = torch.onnx.export(
-                model,
-                (ids, mask, *past),
-                dynamo=True,
-                opset_version=opset,
-                optimize=True,
-                input_names=inputs,
-                output_names=outputs,
-                dynamic_shapes=dynamic,
-                verbose=False,
-                report=False,
-            )
-        except Exception as exc:
-            raise RuntimeError(f"torch.onnx.export failed: {exc}\n{printed.getvalue()}") from exc
+    program = dynamo_export(
+        model,
+        (ids, mask, *past),
+        opset=opset,
+        optimize=True,
+        input_names=inputs,
+        output_names=outputs,
+        dynamic_shapes=dynamic,
+    )
     onnx_model = program.model
     _name_dims(onnx_model)
     onnx_model.metadata_props[METADATA_KEY] = json.dumps(
@@ -277,7 +255,7 @@ def export_decode(
             "n_blocks": spec.n_blocks,
         }
     )
-    files = _save(onnx_model, path, external_data_threshold)
+    files = save_export(onnx_model, path, external_data_threshold)
     return DecodeExport(
         path=path,
         files=files,
@@ -286,20 +264,6 @@ def export_decode(
         spec=spec,
         cache_layers=layers,
     )
-
-
-def _save(model: ir.Model, path: Path, threshold: int) -> list[Path]:
-    data_name = f"{path.name}.data"
-    data_path = path.parent / data_name
-    weights = sum(
-        v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None
-    )
-    if weights > threshold:
-        ir.save(model, path, external_data=data_name)
-        return [path, data_path]
-    data_path.unlink(missing_ok=True)  # a stale one from an earlier export would mislead
-    ir.save(model, path)
-    return [path]
 
 
 def _name_dims(model: ir.Model) -> None:

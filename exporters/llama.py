@@ -105,10 +105,12 @@ class DecoderBlock(nn.Module):
 
 
 class Backbone(nn.Module):
+    block_class: type[DecoderBlock] = DecoderBlock
+
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(spec.vocab, spec.hidden)
-        self.layers = nn.ModuleList(DecoderBlock(spec, i) for i in range(spec.n_blocks))
+        self.layers = nn.ModuleList(self.block_class(spec, i) for i in range(spec.n_blocks))
         self.norm = RMSNorm(spec.hidden, spec.eps)
         head_dim = spec.resolved_head_dim
         inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
@@ -130,10 +132,12 @@ class Backbone(nn.Module):
 class SpecLlama(nn.Module):
     """forward(input_ids int64 [batch, seq]) -> logits float32 [batch, seq, vocab]."""
 
+    backbone_class: type[Backbone] = Backbone
+
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.spec = spec
-        self.model = Backbone(spec)
+        self.model = self.backbone_class(spec)
         self.lm_head = nn.Linear(spec.hidden, spec.vocab, bias=False)
         if spec.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -25,6 +25,7 @@ import torch
 from exporters.llama import build_model, count_parameters
 from exporters.results import ExportResult
 from exporters.spec import ModelSpec
+from passes.model_io import save_model, weight_bytes
 
 # Same as exporters.smollm2.PRUNED_BLOCKS (not imported here: that module imports transformers).
 PRUNED_BLOCKS: tuple[int, ...] = tuple(range(13, 23))
@@ -95,8 +96,15 @@ def dynamo_export(module: torch.nn.Module, args: tuple, *, opset: int | None, op
             raise RuntimeError(f"torch.onnx.export failed: {exc}\n{printed.getvalue()}") from exc
 
 
-def _initializer_bytes(model: ir.Model) -> int:
-    return sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
+def save_export(model: ir.Model, path: Path, external_data_threshold: int) -> list[Path]:
+    """Save an exported model: its weights in `<name>.data` beside it when they pass the threshold, else one
+    file (and a stale data file from an earlier export is removed: it would mislead). The files written."""
+    data_path = path.with_name(f"{path.name}.data")
+    external = weight_bytes(model) > external_data_threshold
+    if not external:
+        data_path.unlink(missing_ok=True)
+    save_model(model, path, external)
+    return [path, data_path] if external else [path]
 
 
 def export_onnx(module: torch.nn.Module, path: str | os.PathLike, *, opset: int | None = None,
@@ -117,15 +125,7 @@ def export_onnx(module: torch.nn.Module, path: str | os.PathLike, *, opset: int 
                                 output_names=["logits"], dynamic_shapes={"input_ids": {0: "batch", 1: "seq"}})
     model = program.model
     _name_dims(model)
-    data_name = f"{path.name}.data"
-    data_path = path.parent / data_name
-    if _initializer_bytes(model) > external_data_threshold:
-        ir.save(model, path, external_data=data_name)
-        files = [path, data_path]
-    else:
-        data_path.unlink(missing_ok=True)  # a stale one from an earlier export would mislead
-        ir.save(model, path)
-        files = [path]
+    files = save_export(model, path, external_data_threshold)
     seconds = time.perf_counter() - start
     return ExportResult(path=path, files=files, bytes=sum(f.stat().st_size for f in files), seconds=seconds,
                         parameters=count_parameters(module), opset=model.opset_imports.get("", 0))

@@ -29,30 +29,21 @@ def models(tmp_path_factory):
     return lambda name: fx.decode_models(base, name)
 
 
+def run_bench(tool, original, fused, out, check: bool = True, **options):
+    """tools/bench.py --quiet on two models; options as keywords: prompt_len=(4, 8) -> --prompt-len 4 8."""
+    flags = []
+    for name, value in options.items():
+        flags += [f"--{name.replace('_', '-')}", *(value if isinstance(value, tuple) else (value,))]
+    return tool(
+        "bench", "--original", original, "--fused", fused, *flags, "--out", out, "--quiet", check=check
+    )
+
+
 def test_bench_writes_json_markdown_and_png(models, tool, tmp_path):
     out = tmp_path / "bench"
-    result = tool(
-        "bench",
-        "--original",
-        models("decode"),
-        "--fused",
-        models("decode_fused"),
-        "--batch",
-        1,
-        2,
-        "--prompt-len",
-        4,
-        8,
-        "--gen-len",
-        5,
-        "--reps",
-        2,
-        "--warmup",
-        1,
-        "--out",
-        out,
-        "--quiet",
-        check=True,
+    original, fused = models("decode"), models("decode_fused")
+    result = run_bench(
+        tool, original, fused, out, batch=(1, 2), prompt_len=(4, 8), gen_len=5, reps=2, warmup=1
     )
     data = json.loads((out / "bench.json").read_text())
     assert data["format"] == "ffn-fusion-bench/1" and data["tp"] == 1 and data["reps"] == 2
@@ -84,29 +75,8 @@ def test_bench_tp2_gloo_counts_collectives(models, tool, tmp_path):
     """TP 2, one process per rank (gloo all-reduces). passes.shard does not shard decode graphs yet, so the
     prefill-only exports run here (generation re-runs the sequence: no cache)."""
     out = tmp_path / "tp2"
-    tool(
-        "bench",
-        "--original",
-        models("prefill"),
-        "--fused",
-        models("prefill_fused"),
-        "--tp",
-        2,
-        "--batch",
-        1,
-        "--prompt-len",
-        4,
-        "--gen-len",
-        3,
-        "--reps",
-        1,
-        "--warmup",
-        0,
-        "--out",
-        out,
-        "--quiet",
-        check=True,
-    )
+    original, fused = models("prefill"), models("prefill_fused")
+    run_bench(tool, original, fused, out, tp=2, batch=1, prompt_len=4, gen_len=3, reps=1, warmup=0)
     data = json.loads((out / "bench.json").read_text())
     assert data["tp"] == 2 and data["tp_mode"] == "gloo"
     assert data["models"]["original"]["collectives_per_forward"] == 9
@@ -115,27 +85,9 @@ def test_bench_tp2_gloo_counts_collectives(models, tool, tmp_path):
 
 
 def test_bench_bad_input_is_one_line_error(models, tool, tmp_path):
-    result = tool(
-        "bench",
-        "--original",
-        tmp_path / "missing.onnx",
-        "--fused",
-        models("decode_fused"),
-        "--out",
-        tmp_path / "x",
-    )
+    result = run_bench(tool, tmp_path / "missing.onnx", models("decode_fused"), tmp_path / "x", check=False)
     assert result.returncode == 2 and result.stderr.startswith("error: --original")
-    result = tool(
-        "bench",
-        "--original",
-        models("decode"),
-        "--fused",
-        models("decode_fused"),
-        "--gen-len",
-        1,
-        "--out",
-        tmp_path / "x",
-    )
+    result = run_bench(tool, models("decode"), models("decode_fused"), tmp_path / "x", check=False, gen_len=1)
     assert result.returncode == 2 and "--gen-len" in result.stderr
 
 
