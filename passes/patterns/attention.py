@@ -57,7 +57,7 @@ class Cache:
 
     past: ir.Value
     present: ir.Value | None
-    kind: str  # "key" or "value"
+    kind: str  # "key" or "value" ("" from cache_concats, before the recognizer knows which)
     node: ir.Node  # the Concat(past, new) of a decomposed branch, or the fused op
 
 
