@@ -37,6 +37,8 @@ def export_tiny_llama(
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from exporters.onnx_export import export_onnx
+
     config = LlamaConfig(
         hidden_size=HIDDEN,
         intermediate_size=intermediate,
@@ -55,27 +57,7 @@ def export_tiny_llama(
             if "norm" in name:
                 param.uniform_(0.5, 1.5)
 
-    class Logits(torch.nn.Module):
-        def __init__(self, inner: torch.nn.Module) -> None:
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-            return self.inner(input_ids=input_ids, use_cache=False).logits
-
-    ids = torch.randint(0, VOCAB, (2, 8))
-    wrapper = Logits(model).eval()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.onnx.export(
-        wrapper,
-        (ids,),
-        str(path),
-        dynamo=True,
-        input_names=["input_ids"],
-        output_names=["logits"],
-        dynamic_shapes={"input_ids": {0: "batch", 1: "seq"}},
-        verbose=False,
-    )
+    export_onnx(model, path, external_data_threshold=0)  # logits, no cache; weights in <name>.data
     return path
 
 
