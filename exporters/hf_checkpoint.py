@@ -458,6 +458,45 @@ def plan_layout(sources: dict[str, WeightSource], itemsize: int) -> dict[str, Pl
     return placements
 
 
+@dataclass
+class _Run:
+    """A piece of the data file: bytes copied as they are from `file`, or one tensor to convert."""
+
+    file: Path
+    start: int  # byte range in the shard
+    length: int  # bytes written to the data file
+    offset: int  # where in the data file
+    convert: TensorEntry | None = None
+
+
+def plan_runs(sources: dict[str, WeightSource], placements: dict[str, Placement], dtype: str) -> list[_Run]:
+    """The data file's pieces in order. Tensors that lie back to back both in their shard and in the data
+    file (sizes that are multiples of the alignment, as in most checkpoints) become one kernel copy: the
+    writer thread then needs the GIL, which the graph builder holds most of the time, a few times per
+    shard instead of once per tensor."""
+    runs: list[_Run] = []
+    seen: set[Placement] = set()
+    for name, placement in sorted(placements.items(), key=lambda kv: kv[1].offset):
+        if placement in seen:
+            continue
+        seen.add(placement)
+        entry = sources[name].entry
+        last = runs[-1] if runs else None
+        if _SAFETENSORS_DTYPES[entry.dtype] != dtype:
+            runs.append(_Run(entry.file, entry.start, placement.length, placement.offset, entry))
+        elif (
+            last is not None
+            and last.convert is None
+            and last.file == entry.file
+            and last.start + last.length == entry.start
+            and last.offset + last.length == placement.offset
+        ):
+            last.length += placement.length
+        else:
+            runs.append(_Run(entry.file, entry.start, placement.length, placement.offset))
+    return runs
+
+
 def write_data(
     data_path: Path,
     sources: dict[str, WeightSource],
@@ -465,32 +504,26 @@ def write_data(
     dtype: str,
     stop: threading.Event | None = None,
 ) -> float:
-    """Write every weight at its place in `dtype`, tensor by tensor from the shards; returns the seconds it
-    took.
-
-    Returns early (the file incomplete) once `stop` is set: the export failed elsewhere. Each shard is
-    opened once and each kept-dtype tensor is one kernel copy: the loop needs the GIL, which the graph
-    builder holds most of the time, as rarely as it can."""
+    """Write every weight at its place in `dtype`, straight from the shards (plan_runs); returns the
+    seconds it took. Returns early (the file incomplete) once `stop` is set: the export failed elsewhere."""
     start = time.perf_counter()
-    done: set[Placement] = set()
     end = max((p.offset + p.length for p in placements.values()), default=0)
     shards: dict[Path, int] = {}
     fd = os.open(data_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        for name, placement in sorted(placements.items(), key=lambda kv: kv[1].offset):
-            if placement in done:
-                continue
+        for run in plan_runs(sources, placements, dtype):
             if stop is not None and stop.is_set():
                 return time.perf_counter() - start
-            entry = sources[name].entry
-            if entry.file not in shards:
-                shards[entry.file] = os.open(entry.file, os.O_RDONLY)
-            written = _write_tensor(shards[entry.file], entry, fd, placement.offset, dtype)
-            if written != placement.length:
+            if run.file not in shards:
+                shards[run.file] = os.open(run.file, os.O_RDONLY)
+            if run.convert is None:
+                written = _copy_range(shards[run.file], run.start, run.length, fd, run.offset)
+            else:
+                written = _convert(shards[run.file], run.convert, fd, run.offset, dtype)
+            if written != run.length:
                 raise RuntimeError(
-                    f"internal error: {name} wrote {written} bytes, expected {placement.length}"
+                    f"internal error: wrote {written} bytes at {run.offset}, expected {run.length}"
                 )
-            done.add(placement)
         os.ftruncate(fd, end)
     except OSError as exc:
         raise UserError(f"cannot write {data_path}: {exc.strerror or exc}") from None
@@ -528,14 +561,6 @@ def attach_weights(model: ir.Model, placements: dict[str, Placement], path: Path
     unread = sorted(n for n, p in placements.items() if p not in attached)
     if unread:
         raise RuntimeError(f"internal error: the graph reads no initializer for {', '.join(unread[:5])}")
-
-
-def _write_tensor(src: int, entry: TensorEntry, fd: int, offset: int, dtype: str) -> int:
-    """Copy one checkpoint tensor (in the shard open as `src`) to `fd` at `offset` in `dtype`; returns the
-    bytes written."""
-    if _SAFETENSORS_DTYPES[entry.dtype] == dtype:
-        return _copy_range(src, entry.start, entry.end - entry.start, fd, offset)
-    return _convert(src, entry, fd, offset, dtype)
 
 
 def _copy_range(src: int, start: int, length: int, fd: int, offset: int) -> int:

@@ -27,7 +27,7 @@ from tests.exporters.hf_fixtures import (
     save_llama_family,
     write_nemotron,
 )
-from tests.exporters.test_hf_checkpoint import run_onnx, tokens
+from tests.exporters.test_hf_checkpoint import TOLERANCE, run_onnx, tokens, transformers_logits
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 96
@@ -241,3 +241,30 @@ def test_metadata_and_names(tiny_nemotron, tmp_path) -> None:
         "model.layers.3.self_attn.q_proj/MatMul" in names
         and "model.layers.2.self_attn.linear_attn/MatMul" in names
     )
+
+
+def test_back_to_back_tensors_are_one_kernel_copy(tmp_path) -> None:
+    """Tensors whose sizes are multiples of the 4096-byte alignment lie back to back in the data file as in
+    their shard, so each shard's run is one copy (exporters.hf_checkpoint.plan_runs); every byte lands
+    where its initializer points."""
+    from safetensors.torch import load_file
+
+    from exporters.hf_checkpoint import check_folder, plan_layout, plan_runs
+    from passes.model_io import load_model
+
+    folder = save_llama_family(
+        tmp_path / "ckpt", hidden_size=1024, intermediate_size=256, num_hidden_layers=2, max_shard_size="8MB"
+    )
+    _, sources, dtype = check_folder(folder)
+    shards = sorted(folder.glob("*.safetensors"))
+    assert len(shards) > 1 and dtype == "float32"
+    runs = plan_runs(sources, plan_layout(sources, 4), dtype)
+    assert len(runs) == len(shards) and all(r.convert is None for r in runs)
+    path = export_hf(folder, tmp_path / "out" / "model.onnx").path
+    model = load_model(path)
+    for shard in shards:
+        for name, tensor in load_file(str(shard)).items():
+            assert np.array_equal(model.graph.initializers[name].const_value.numpy(), tensor.numpy()), name
+    ids = tokens()
+    expected = transformers_logits(folder, ids)
+    assert np.abs(run_onnx(path, ids) - expected).max() <= TOLERANCE * max(1.0, np.abs(expected).max())
