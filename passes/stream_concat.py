@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import ctypes
 import errno
 import functools
 import io
@@ -325,9 +326,10 @@ class ConcatTensor(ir.LazyTensor):
                 _write(file, chunk)
             return
         file.flush()
-        base = file.tell()
+        base, length = file.tell(), self._row_bytes() * self._rows()
+        _allocate(fd, base, length)
         _run(self.writes(fd, base))
-        file.seek(base + self._row_bytes() * self._rows())
+        file.seek(base + length)
 
     def _stacked_at(self, part: Part, start: int, stop: int, fd: int, at: int) -> None:
         chunk = self._finished(part.read(start, stop, self._work_dtype()))
@@ -475,6 +477,24 @@ def _copy_fd(source: int, offset: int, fd: int, at: int, length: int) -> None:
             raise OSError(f"external data ends early (fd {source}, offset {offset + done})")
         _pwrite_all(fd, [np.frombuffer(block, np.uint8)], at + done)
         done += len(block)
+
+
+def _allocate(fd: int, offset: int, length: int) -> None:
+    """Allocate the file's blocks for the range before it is written (fallocate(2)): writes then fill
+    allocated blocks instead of reserving them page by page (less kernel time per page written, measured
+    in docs/scale.md). Only a hint: where the file system has no fallocate nothing happens (unlike
+    posix_fallocate, which would write zeros over the range first)."""
+    fallocate = getattr(_libc(), "fallocate", None)
+    if fallocate is not None and length > 0:
+        fallocate(fd, 0, ctypes.c_int64(offset), ctypes.c_int64(length))  # an error return is ignored
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
 
 
 def _regular_fd(file) -> int | None:
