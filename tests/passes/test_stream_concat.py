@@ -258,3 +258,20 @@ def test_external_data_cut_short_is_an_error(tmp_path, monkeypatch, axis, fold):
     tensor = ConcatTensor(parts, axis, ir.DataType.FLOAT, shape, "w", chunk_bytes=48)
     with pytest.raises(OSError, match="ends early"):
         _written(tensor, tmp_path)
+
+
+@pytest.mark.parametrize("libc", ["absent", "failing"])
+def test_without_fallocate_the_file_is_written_the_same(tmp_path, monkeypatch, libc):
+    """Allocating the range first is only a hint: no fallocate, or one that fails, writes the same bytes."""
+
+    class Failing:
+        @staticmethod
+        def fallocate(*args):
+            return -1
+
+    monkeypatch.setattr(stream_concat, "_libc", lambda: None if libc == "absent" else Failing())
+    rng = np.random.default_rng(15)
+    mats = [rng.standard_normal((5, 6)).astype(np.float16) for _ in range(2)]
+    parts = [Part(_external(m, tmp_path, f"m{i}"), 5, 6) for i, m in enumerate(mats)]
+    tensor = ConcatTensor(parts, 1, ir.DataType.FLOAT16, (5, 12), "w", chunk_bytes=30)
+    assert _written(tensor, tmp_path) == np.concatenate(mats, axis=1).tobytes()
