@@ -580,8 +580,8 @@ def _copy_range(src: int, start: int, length: int, fd: int, offset: int) -> int:
 
 
 def _convert(src: int, entry: TensorEntry, fd: int, offset: int, dtype: str) -> int:
-    """Convert in row chunks read from the shard: through float32, rounding to nearest even as torch's
-    `.to(dtype)` does (bfloat16 from ml_dtypes, which onnx already loads)."""
+    """Convert in row chunks read from the shard with numpy and ml_dtypes (bfloat16; onnx loads it anyway):
+    every cast goes through float32 and rounds to nearest even, as torch's `.to(dtype)` does."""
     import ml_dtypes
     import numpy as np
 
@@ -594,6 +594,6 @@ def _convert(src: int, entry: TensorEntry, fd: int, offset: int, dtype: str) -> 
     written = 0
     for first in range(0, length, step):
         raw = os.pread(src, min(step, length - first), entry.start + first)
-        data = np.frombuffer(raw, dtype=source).astype(np.float32).astype(target)
+        data = np.frombuffer(raw, dtype=source).astype(target)
         written += os.pwrite(fd, memoryview(data.view(np.uint8)), offset + written)
     return written

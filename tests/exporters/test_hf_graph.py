@@ -187,22 +187,32 @@ def test_half_exports_agree_with_float32(qwen_exports, dtype: str, tolerance: fl
     assert types["logits"] == onnx.TensorProto.FLOAT
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_converted_weights_equal_torch(qwen_exports, dtype: str) -> None:
-    """numpy's conversion (through float32, round to nearest even) writes exactly torch's `.to(dtype)`."""
+@pytest.mark.parametrize(
+    ("source", "dtype"),
+    [("qwen", "float16"), ("qwen", "bfloat16"), ("nemotron", "float16"), ("nemotron", "float32")],
+)
+def test_converted_weights_equal_torch(
+    qwen_exports, tiny_nemotron, tmp_path, source: str, dtype: str
+) -> None:
+    """numpy/ml_dtypes conversion (float32 or bfloat16 shards) writes exactly torch's `.to(dtype)`."""
     from safetensors.torch import load_file
 
     from passes.model_io import load_model
 
-    model = load_model(qwen_exports[dtype])
+    if source == "qwen":
+        folder, path = qwen_exports["checkpoint"], qwen_exports[dtype]
+    else:
+        folder, path = tiny_nemotron, export_hf(tiny_nemotron, tmp_path / "m.onnx", dtype=dtype).path
+    model = load_model(path)
     tensors = {}
-    for shard in sorted(qwen_exports["checkpoint"].glob("*.safetensors")):
+    for shard in sorted(folder.glob("*.safetensors")):
         tensors.update(load_file(str(shard)))
-    assert len(tensors) > 10
-    target = getattr(torch, dtype)
+    assert len(tensors) > 10 and tensors["model.embed_tokens.weight"].dtype != getattr(torch, dtype)
     for name, tensor in tensors.items():
-        stored = model.graph.initializers[name].const_value.numpy().view(np.uint16)
-        assert np.array_equal(stored, tensor.to(target).view(torch.int16).numpy().view(np.uint16)), name
+        stored = model.graph.initializers[name].const_value.numpy()
+        expected = tensor.to(getattr(torch, dtype))
+        bits = {2: torch.int16, 4: torch.int32}[expected.element_size()]
+        assert np.array_equal(stored.view(f"i{stored.itemsize}"), expected.view(bits).numpy()), name
 
 
 def test_opset_range(tiny_nemotron, tmp_path) -> None:
