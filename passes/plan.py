@@ -70,6 +70,8 @@ def validate_plan(plan: Plan, blocks: list[Block]) -> None:
     group (only before its first block), same dtype."""
     previous: tuple[int, int] | None = None
     for first, last in sorted(plan.groups):
+        if first >= last:  # parse_plan refuses these too; a Plan built in code reaches here unchecked
+            raise UserError(f"group [{first}, {last}] must be [first, last] with first < last (2+ blocks)")
         if first < 0 or last >= len(blocks):
             raise UserError(
                 f"group [{first}, {last}] is out of range: the model has blocks 0..{len(blocks) - 1}"

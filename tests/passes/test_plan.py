@@ -41,6 +41,8 @@ def test_malformed_plans_are_refused(data, message):
         (((3, 5),), "out of range: the model has blocks 0..4"),
         (((0, 2), (2, 4)), "overlap"),
         (((1, 3),), "spans attention: block 3 has attention"),
+        (((2, 1),), "first < last"),  # a Plan built in code, not parsed
+        (((1, 1),), "first < last"),
     ],
 )
 def test_plans_that_do_not_fit_the_model_are_refused(blocks, groups, message):
