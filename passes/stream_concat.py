@@ -5,14 +5,24 @@ A `ConcatTensor` is the concatenation of `Part`s along one axis of the stored ma
 - axis 0: the parts one after the other (rows of the first part, then of the second, ...);
 - axis 1: each output row is the parts' rows side by side (rows interleave the parts).
 
-When the model is saved, `tofile` writes the result in chunks of about `CHUNK_BYTES`. A plain part (whole
-rows, unscaled) of an axis-0 concatenation is copied file to file by the kernel (copy_file_range). Other
-chunks are read with `os.preadv` straight into their place in a small buffer, scaled there, and built by
-two threads ahead of the writer. Neither a source nor the fused matrix is ever mapped or held whole, so
-memory does not grow with the group or the matrix size (file pages a process maps count towards its
-resident size; pages it only reads or writes do not). "fold" multiplies each part's norm weight into
-its input dimension in float32, and half-precision rows are rounded once, exactly as a whole-matrix
-numpy computation would round them (`scale_rows`; float16 through ONNX Runtime's vectorized casts).
+When the model is saved into a regular file, `tofile` allocates the tensor's range (fallocate) and runs
+jobs on two threads, each writing its own byte range at its offset (pwrite), so no thread waits for a
+writer:
+
+- plain parts (whole rows, unscaled) of an axis-0 concatenation: kernel copies, file to file
+  (copy_file_range), in COPY_BYTES pieces;
+- axis 1 with only plain parts whose rows are at least MIN_SEGMENT_BYTES ("last" gate/up): one kernel
+  copy per row segment; nothing passes through user memory;
+- anything else ("fold", narrow rows, transposed or unpacked parts): chunks of about CHUNK_BYTES (small
+  enough to stay in a core's cache), each part's rows read with `os.preadv` into a contiguous block,
+  scaled there in place, and the output rows gathered from the blocks by one pwritev.
+
+Into a stream (an in-memory buffer), chunks are built and written in order. Neither a source nor the
+fused matrix is ever mapped or held whole, so memory does not grow with the group or the matrix size
+(file pages a process maps count towards its resident size; pages it only reads or writes do not).
+"fold" multiplies each part's norm weight into its input dimension in float32, and half-precision rows
+are rounded once, exactly as a whole-matrix numpy computation would round them (`scale_rows`; float16
+through ONNX Runtime's vectorized casts).
 """
 
 from __future__ import annotations
@@ -294,6 +304,8 @@ class ConcatTensor(ir.LazyTensor):
         """The result as jobs, in order, that each write their own byte range of `fd` (from `base`) and can
         run in any order: kernel copies of file ranges or row segments, or chunks built and written."""
         row_bytes = self._row_bytes()
+        if row_bytes == 0:
+            return
         if self.axis == 0:
             at = base
             for part in self.parts:
@@ -368,7 +380,9 @@ class ConcatTensor(ir.LazyTensor):
     def _row_bytes(self) -> int:
         """Bytes of one row of the concatenation as stored (after `finish`)."""
         rows = self._rows()
-        if rows == 0 or self.nbytes % rows:
+        if rows == 0:
+            return 0
+        if self.nbytes % rows:
             raise ValueError(f"{self.name}: {self.nbytes} bytes do not split into {rows} rows")
         return self.nbytes // rows
 

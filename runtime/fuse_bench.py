@@ -3,10 +3,12 @@
 For each shape it builds an FFN-only synthetic model with external data, then measures side by side, each
 step in a fresh child process (runtime.peak_memory: wall time and the child's own peak RSS):
 
-- copying the model's files (the I/O floor the fusion is held to: at most 1.2x its time), once before and
-  once after the two fusions without validation; the faster copy is the baseline;
-- tools/fuse_onnx.py without validation, "fold" and "last" (bound: 256 MB peak RSS, whatever the group
-  size; the time is the tool's own, from loading to the written output, without Python's imports);
+- copying the model's files (the I/O floor the fusion is held to: at most 1.2x its time), and
+  tools/fuse_onnx.py without validation, "fold" and "last" (bound: 256 MB peak RSS, whatever the group
+  size; the time is the tool's own, from loading to the written output, without Python's imports), in
+  `repeat` rounds that alternate them, plus a last copy. Each is reported as its best round (what the
+  other processes on a shared machine did not add) against the best copy, and as the median against
+  the copies' median;
 - tools/fuse_onnx.py with validation, "fold" (bound: 512 MB);
 - optionally FP8 quantization (scales given: calibration is an ONNX Runtime run of the whole model),
   tensor-parallel sharding at TP 8 of the unfused model, and tools/analyze.py on it (block by block above
@@ -24,6 +26,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
@@ -63,6 +66,8 @@ class Step:
     bound_bytes: int | None = None
     time_bound: float | None = None
     total_seconds: float | None = None  # with Python's imports (seconds under load on a shared machine)
+    samples: list[float] | None = None  # every round's seconds; `seconds` is the best
+    median_vs_copy: float | None = None  # median over the rounds, against the copies' median
 
     @property
     def ok(self) -> bool:
@@ -103,7 +108,7 @@ def _remove(*paths: Path) -> None:
 
 
 def bench_shape(
-    name: str, spec: tuple, work: Path, stages: bool, log=print, engine: bool = False
+    name: str, spec: tuple, work: Path, stages: bool, log=print, engine: bool = False, repeat: int = 1
 ) -> ShapeResult:
     hidden, ffn, blocks, group, dtype = spec
     folder = work / name
@@ -119,34 +124,35 @@ def bench_shape(
     itemsize = 4 if dtype == "float32" else 2
     result = ShapeResult(name, _size(model), 3 * hidden * ffn * itemsize * group)
     start_load = os.getloadavg()[0]
-    copies = [_copy(name, model, folder, log)]
     fuse = ROOT / "tools" / "fuse_onnx.py"
     out = ["-o", folder / "f.onnx"]
-    runs = [  # "fold" rescales (and in half precision converts) every gate/up row; "last" only copies
-        ("fuse (fold)", [model, plans["fold"], "--no-validate", *out], FUSE_RSS_BOUND, TIME_BOUND),
-        ("fuse (last)", [model, plans["last"], "--no-validate", *out], FUSE_RSS_BOUND, TIME_BOUND),
-        ("copy (again)", None, None, None),
-        ("fuse + validation", [model, plans["fold"], *out], VALIDATE_RSS_BOUND, None),
-    ]
-    fused = []
-    for step, args, bound, time_bound in runs:
-        if args is None:
-            copies.append(_copy(name, model, folder, log))
-            continue
-        log(f"{name}: {step} ...")
-        os.sync()
-        measured = _checked(measure(fuse, args), step)
-        _remove(folder / "f.onnx")
-        fused.append((step, _work_seconds(measured), measured, bound, time_bound))
+    timed = {  # "fold" rescales (and in half precision converts) every gate/up row; "last" only copies
+        "fuse (fold)": ([model, plans["fold"], "--no-validate", *out], FUSE_RSS_BOUND, TIME_BOUND),
+        "fuse (last)": ([model, plans["last"], "--no-validate", *out], FUSE_RSS_BOUND, TIME_BOUND),
+    }
+    samples: dict[str, list[tuple[float, Measured]]] = {"copy": [], **{step: [] for step in timed}}
+    for round_ in range(repeat):  # rounds alternate copy and fusions, so that all see the same load
+        samples["copy"].append(_copy(name, model, folder, log))
+        for step, (args, _, _) in timed.items():
+            log(f"{name}: {step} (round {round_ + 1} of {repeat}) ...")
+            samples[step].append(_fuse(fuse, args, folder, step))
+    samples["copy"].append(_copy(name, model, folder, log))
     result.load = (start_load, os.getloadavg()[0])
-    baseline = min(c.seconds for c in copies)  # the harder bound
-    for step, copy in zip(("copy", "copy (again)"), copies, strict=True):
-        result.steps.append(Step(step, copy.seconds, copy.peak_bytes, copy.seconds / baseline))
-    for step, work, measured, bound, time_bound in fused:
-        vs_copy = work / baseline
-        result.steps.append(
-            Step(step, work, measured.peak_bytes, vs_copy, bound, time_bound, measured.seconds)
-        )
+    copy = min(seconds for seconds, _ in samples["copy"])  # best of each: what interference did not add
+    copy_median = statistics.median(seconds for seconds, _ in samples["copy"])
+    for step, runs in samples.items():
+        _, bound, time_bound = timed.get(step, (None, None, None))
+        seconds, measured = min(runs, key=lambda run: run[0])
+        every = [run[0] for run in runs]
+        peak = max(m.peak_bytes for _, m in runs)
+        step_result = Step(step, seconds, peak, seconds / copy, bound, time_bound, measured.seconds, every)
+        step_result.median_vs_copy = statistics.median(every) / copy_median
+        result.steps.append(step_result)
+    log(f"{name}: fuse + validation ...")
+    work, measured = _fuse(fuse, [model, plans["fold"], *out], folder, "fuse + validation")
+    validation = Step("fuse + validation", work, measured.peak_bytes, work / copy, VALIDATE_RSS_BOUND)
+    validation.total_seconds = measured.seconds
+    result.steps.append(validation)
     if stages:
         for step, target, args in (
             ("FP8 quantization", "runtime.fuse_bench:fp8_step", [model, folder / "fp8.onnx"]),
@@ -169,7 +175,7 @@ def bench_shape(
                     step,
                     measured.seconds,
                     measured.peak_bytes,
-                    measured.seconds / baseline,
+                    measured.seconds / copy,
                     STAGE_RSS_BOUND,
                 )
             )
@@ -179,18 +185,25 @@ def bench_shape(
         args = [model, "--fp8", "--scales", scales, "--out", folder / "engines"]
         measured = _checked(measure(ROOT / "tools" / "build_engines.py", args), "engine build")
         result.steps.append(
-            Step("FP8 engine build", measured.seconds, measured.peak_bytes, measured.seconds / baseline)
+            Step("FP8 engine build", measured.seconds, measured.peak_bytes, measured.seconds / copy)
         )
     _remove(folder)
     return result
 
 
-def _copy(name: str, model: Path, folder: Path, log) -> Measured:
+def _copy(name: str, model: Path, folder: Path, log) -> tuple[float, Measured]:
     log(f"{name}: copying the files ...")
     os.sync()
     copy = _checked(timed_copy(_files(model), folder / "copy"), "copy")
     _remove(folder / "copy")
-    return copy
+    return copy.seconds, copy
+
+
+def _fuse(fuse: Path, args: list, folder: Path, step: str) -> tuple[float, Measured]:
+    os.sync()
+    measured = _checked(measure(fuse, args), step)
+    _remove(folder / "f.onnx")
+    return _work_seconds(measured), measured
 
 
 def _unit_scales(model: Path, path: Path) -> Path:
@@ -229,10 +242,11 @@ def report(results: list[ShapeResult]) -> str:
         lines.append(
             f"{result.shape}: model {result.model_bytes / 1e9:.2f} GB, "
             f"largest group's weights {result.group_weight_bytes / MB:.0f} MB, "
-            f"load average {result.load[0]:.1f} -> {result.load[1]:.1f}; x copy: against the faster copy"
+            f"load average {result.load[0]:.1f} -> {result.load[1]:.1f}; x copy: best against best"
         )
         lines.append(
-            f"  {'step':<20}{'seconds':>9}{'x copy':>8}{'peak RSS MB':>13}{'bound':>16}  ok  (with imports)"
+            f"  {'step':<20}{'seconds':>9}{'x copy':>8}{'median x':>10}{'peak RSS MB':>13}{'bound':>16}  ok"
+            "  (with imports)"
         )
         for step in result.steps:
             bound = []
@@ -241,7 +255,9 @@ def report(results: list[ShapeResult]) -> str:
             if step.time_bound is not None:
                 bound.append(f"{step.time_bound}x")
             lines.append(
-                f"  {step.name:<20}{step.seconds:>9.1f}{step.vs_copy:>8.2f}{step.peak_bytes / MB:>13.0f}"
+                f"  {step.name:<20}{step.seconds:>9.1f}{step.vs_copy:>8.2f}"
+                + (f"{step.median_vs_copy:>10.2f}" if step.median_vs_copy is not None else f"{'':>10}")
+                + f"{step.peak_bytes / MB:>13.0f}"
                 f"{', '.join(bound):>16}  {'yes' if step.ok else 'NO ':<3}"
                 + (f" ({step.total_seconds:.1f} s)" if step.total_seconds is not None else "")
             )

@@ -8,7 +8,8 @@ each with "fold" and "last", and, on the first, FP8 quantization, TP 8 sharding 
 peak RSS is read (runtime/peak_memory.py). Bounds: fusing <= 256 MB and <= 1.2x the copy; with validation,
 FP8, sharding and analysis <= 512 MB. Needs about 3x the model size of free disk in --workdir.
 
-  python tools/bench_fuse.py [--workdir DIR] [--json]
+  python tools/bench_fuse.py [--workdir DIR] [--repeat N] [--json]
+  python tools/bench_fuse.py --no-stages --repeat 3    # fusion against copy only, best and median of 3 rounds
   python tools/bench_fuse.py --shape small:256:1024:4:2:float32 --no-stages    # a quick run
   python tools/bench_fuse.py --shape mid:1024:4096:8:4:float32 --engine         # with an engine build
 """
@@ -52,8 +53,16 @@ def main() -> int:
     parser.add_argument(
         "--workdir", type=Path, help="where to build the models (default: a temporary folder)"
     )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="rounds of copy, fold and last, alternating (best and median reported; default 1)",
+    )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args()
+    if args.repeat < 1:
+        raise UserError(f"--repeat {args.repeat}: give at least 1 round")
     shapes = dict(parse_shape(s) for s in args.shape) if args.shape else fuse_bench.SHAPES
     if args.workdir:
         args.workdir.mkdir(parents=True, exist_ok=True)
@@ -62,7 +71,10 @@ def main() -> int:
         for index, (name, spec) in enumerate(shapes.items()):
             stages = index == 0 and not args.no_stages
             engine = index == 0 and args.engine
-            results.append(fuse_bench.bench_shape(name, spec, Path(tmp), stages, log=_log, engine=engine))
+            result = fuse_bench.bench_shape(
+                name, spec, Path(tmp), stages, log=_log, engine=engine, repeat=args.repeat
+            )
+            results.append(result)
     print(fuse_bench.as_json(results) if args.json else fuse_bench.report(results))
     return 0
 

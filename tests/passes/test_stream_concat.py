@@ -275,3 +275,11 @@ def test_without_fallocate_the_file_is_written_the_same(tmp_path, monkeypatch, l
     parts = [Part(_external(m, tmp_path, f"m{i}"), 5, 6) for i, m in enumerate(mats)]
     tensor = ConcatTensor(parts, 1, ir.DataType.FLOAT16, (5, 12), "w", chunk_bytes=30)
     assert _written(tensor, tmp_path) == np.concatenate(mats, axis=1).tobytes()
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_an_empty_concatenation_writes_nothing(tmp_path, axis):
+    mats = [np.zeros((0, 4), np.float32) for _ in range(2)]
+    parts = [Part(_external(m, tmp_path, f"m{i}"), *m.shape) for i, m in enumerate(mats)]
+    shape = (0, 8) if axis == 1 else (0, 4)
+    assert _written(ConcatTensor(parts, axis, ir.DataType.FLOAT, shape, "w"), tmp_path) == b""

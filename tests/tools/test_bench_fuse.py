@@ -15,15 +15,20 @@ def test_bench_fuse_reports_memory_and_time(tool, tmp_path):
         "--json",
         "--workdir",
         tmp_path,
+        "--repeat",
+        "2",
         check=True,
     )
     shapes = json.loads(result.stdout)
     assert [s["shape"] for s in shapes] == ["small", "half"]
     assert shapes[0]["group_weight_bytes"] == 3 * 256 * 1024 * 4 * 2
     steps = {s["name"]: s for s in shapes[0]["steps"]}
-    fuse_steps = ["copy", "copy (again)", "fuse (fold)", "fuse (last)", "fuse + validation"]
+    fuse_steps = ["copy", "fuse (fold)", "fuse (last)", "fuse + validation"]
     assert list(steps) == [*fuse_steps, "FP8 quantization", "TP 8 sharding", "analysis"]
     assert [s["name"] for s in shapes[1]["steps"]] == fuse_steps
+    # Two rounds alternate copy, fold and last (and a last copy); the best of each is reported.
+    assert [len(steps[name]["samples"]) for name in fuse_steps[:3]] == [3, 2, 2]
+    assert all(steps[name]["seconds"] == min(steps[name]["samples"]) for name in fuse_steps[:3])
     for shape in shapes:
         for step in shape["steps"]:
             assert step["seconds"] > 0 and step["vs_copy"] > 0 and step["peak_bytes"] > 0
@@ -36,3 +41,5 @@ def test_bench_fuse_reports_memory_and_time(tool, tmp_path):
 def test_bench_fuse_refuses_a_bad_shape(tool):
     result = tool("bench_fuse", "--shape", "x:1:2")
     assert result.returncode == 2 and result.stderr.startswith("error: --shape 'x:1:2'")
+    result = tool("bench_fuse", "--repeat", "0")
+    assert result.returncode == 2 and result.stderr.startswith("error: --repeat 0")
