@@ -8,9 +8,9 @@ How (see docs/export.md, "Hugging Face checkpoints"):
    shards listed by model.safetensors.index.json) into a table name -> file, dtype, shape, byte range.
    Every tensor the model needs is checked against that table before anything is written.
 2. Each weight gets a page-aligned place in `<model>.data`, known from step 1 alone, so a second thread
-   starts writing the data file at once, tensor by tensor straight from the shards: a kernel copy
-   (copy_file_range) when the dtype is kept, row chunks converted with numpy when it changes. Peak memory
-   stays at the graph plus one chunk.
+   starts writing the data file at once, straight from the shards: kernel copies (copy_file_range, one per
+   run of tensors that lie back to back in shard and data file) when the dtype is kept, row chunks
+   converted with numpy when it changes. Peak memory stays at the graph plus one chunk.
 3. Meanwhile the prefill graph is built directly with onnx-ir from the config (exporters.hf_graph, no
    torch, a fraction of a second): every weight is an initializer named as its checkpoint tensor, with a
    shape and no value (linear weights stay [out, in], read through Transpose). The --decode graph is
