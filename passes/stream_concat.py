@@ -11,11 +11,11 @@ writer:
 
 - plain parts (whole rows, unscaled) of an axis-0 concatenation: kernel copies, file to file
   (copy_file_range), in COPY_BYTES pieces;
-- axis 1 with only plain parts whose rows are at least MIN_SEGMENT_BYTES ("last" gate/up): one kernel
-  copy per row segment; nothing passes through user memory;
-- anything else ("fold", narrow rows, transposed or unpacked parts): chunks of about CHUNK_BYTES (small
-  enough to stay in a core's cache), each part's rows read with `os.preadv` into a contiguous block,
-  scaled there in place, and the output rows gathered from the blocks by one pwritev.
+- anything else (interleaved gate/up rows, "fold", transposed or unpacked parts): chunks of about
+  CHUNK_BYTES (small enough to stay in a core's cache), each part's rows read with `os.preadv` into a
+  contiguous block, scaled there in place, and the output rows gathered from the blocks by one pwritev.
+  (One copy_file_range per interleaved row segment was measured too: slower, and more kernel time, than
+  this with two threads, at every segment size from 4 to 56 KB; docs/scale.md.)
 
 Into a stream (an in-memory buffer), chunks are built and written in order. Neither a source nor the
 fused matrix is ever mapped or held whole, so memory does not grow with the group or the matrix size
@@ -100,17 +100,11 @@ class Part:
 
     def file_range(self) -> tuple[str, int, int] | None:
         """(path, offset, length) when the whole part is a plain byte range of an external data file."""
-        rows = self.file_rows()
-        return None if rows is None else (rows[0], rows[1], self.shape[0] * rows[2])
-
-    def file_rows(self) -> tuple[str, int, int] | None:
-        """(path, offset of the part's first row, bytes per row) when its rows are plain rows of an external
-        data file, one after the other."""
         if not (self._direct and self.scale is None and isinstance(self.tensor, ir.ExternalTensor)):
             return None
+        first, rows = (self.row_range or (0, self.rows))[0], self.shape[0]
         row_bytes = self.cols * _numpy_dtype(self.tensor).itemsize
-        first = self.row_range[0] if self.row_range is not None else 0
-        return str(self.tensor.path), (self.tensor.offset or 0) + first * row_bytes, row_bytes
+        return str(self.tensor.path), (self.tensor.offset or 0) + first * row_bytes, rows * row_bytes
 
     def _stored_rows(self, start: int, stop: int) -> np.ndarray:
         first = self.row_range[0] if self.row_range is not None else 0
@@ -266,9 +260,9 @@ class ConcatTensor(ir.LazyTensor):
     """The concatenation of `parts` along `axis` of the stored 2-D matrix, declared with `shape` (same
     number of elements). `finish` maps each finished chunk of rows to its final form (for example packs
     int4 zero points). `tofile` into a regular file: jobs that each write their own byte range, run by two
-    threads (plain rows and parts are copied file to file by the kernel; other chunks are read, scaled and
-    written a few rows at a time, so that the chunk stays in the core's cache). Into a stream: chunks in
-    order. `numpy()`/`tobytes()` build the whole tensor."""
+    threads (plain parts are copied file to file by the kernel; other chunks are read, scaled and written
+    a few rows at a time, so that the chunk stays in the core's cache). Into a stream: chunks in order.
+    `numpy()`/`tobytes()` build the whole tensor."""
 
     def __init__(
         self,
@@ -302,7 +296,7 @@ class ConcatTensor(ir.LazyTensor):
 
     def writes(self, fd: int, base: int) -> Iterator[Callable[[], None]]:
         """The result as jobs, in order, that each write their own byte range of `fd` (from `base`) and can
-        run in any order: kernel copies of file ranges or row segments, or chunks built and written."""
+        run in any order: kernel copies of file ranges, or chunks built and written."""
         row_bytes = self._row_bytes()
         if row_bytes == 0:
             return
@@ -320,15 +314,7 @@ class ConcatTensor(ir.LazyTensor):
                         yield functools.partial(self._stacked_at, part, start, stop, fd, where)
                 at += part.shape[0] * row_bytes
             return
-        segments = self._row_segments()
-        rows = self.parts[0].shape[0]
-        if segments is not None:
-            step = max(1, COPY_BYTES // row_bytes)
-            for start in range(0, rows, step):
-                stop = min(start + step, rows)
-                yield functools.partial(_copy_rows, segments, start, stop, fd, base + start * row_bytes)
-            return
-        for start, stop in self._steps(rows, self._width()):
+        for start, stop in self._steps(self.parts[0].shape[0], self._width()):
             yield functools.partial(self._side_by_side_at, start, stop, fd, base + start * row_bytes)
 
     def tofile(self, file) -> None:
@@ -358,16 +344,6 @@ class ConcatTensor(ir.LazyTensor):
     def _blocks(self, start: int, stop: int) -> list[np.ndarray]:
         """Rows start:stop of each part (contiguous, so that scaling runs on them in place)."""
         return [part.read(start, stop, self._work_dtype()) for part in self.parts]
-
-    def _row_segments(self) -> list[tuple[str, int, int]] | None:
-        """Each part's (path, offset, row bytes) when every part is plain file rows wide enough for one kernel
-        copy per row segment to beat reading and writing them through memory."""
-        if self.finish is not None:
-            return None
-        segments = [part.file_rows() for part in self.parts]
-        if any(s is None or s[2] < MIN_SEGMENT_BYTES for s in segments):
-            return None
-        return segments
 
     def _checked(self, chunk: np.ndarray, rows: int) -> np.ndarray:
         if chunk.nbytes != rows * self._row_bytes():
@@ -409,7 +385,6 @@ class ConcatTensor(ir.LazyTensor):
 
 _WORKERS = 2  # threads running write jobs (preadv, ONNX Runtime, numpy and the kernel copies release the GIL)
 COPY_BYTES = 8 << 20  # bytes per kernel-copy job
-MIN_SEGMENT_BYTES = 16 << 10  # shorter row segments go through memory (one copy_file_range each costs more)
 
 
 def _run(jobs: Iterator[Callable[[], None]]) -> None:
@@ -445,19 +420,6 @@ def _pwrite_all(fd: int, arrays: list[np.ndarray], offset: int) -> None:
                 batch = batch[1:]
             if batch and count:
                 batch[0] = batch[0][count:]
-
-
-def _copy_rows(segments: list[tuple[str, int, int]], start: int, stop: int, fd: int, at: int) -> None:
-    """Rows start:stop of the side-by-side concatenation of plain file rows, one kernel copy per segment."""
-    sources = [os.open(path, os.O_RDONLY) for path, _, _ in segments]
-    try:
-        for row in range(start, stop):
-            for source, (_, offset, length) in zip(sources, segments, strict=True):
-                _copy_fd(source, offset + row * length, fd, at, length)
-                at += length
-    finally:
-        for source in sources:
-            os.close(source)
 
 
 def _copy_file(path: str, offset: int, fd: int, at: int, length: int) -> None:

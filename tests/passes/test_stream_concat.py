@@ -183,14 +183,10 @@ def _copy_calls(monkeypatch) -> list[int]:
 
 
 @pytest.mark.parametrize("chunk_bytes", [None, 50])
-def test_interleaved_plain_rows_are_copied_by_the_kernel_row_segment_by_segment(
-    tmp_path, monkeypatch, chunk_bytes
-):
+def test_interleaved_plain_rows_go_through_memory_in_cache_sized_chunks(tmp_path, monkeypatch, chunk_bytes):
     """ "last" gate/up: every output row is the parts' rows side by side. Plain external rows (one of them a
-    row range of a taller matrix, at odd offsets and odd row lengths) are copied by the kernel, one
-    copy_file_range per row segment, into a file between other bytes."""
-    monkeypatch.setattr(stream_concat, "MIN_SEGMENT_BYTES", 2)
-    monkeypatch.setattr(stream_concat, "COPY_BYTES", 100)  # several jobs, run in any order
+    row range of a taller matrix, at odd offsets and odd row lengths) are read into per-part blocks and
+    gathered by pwritev, into a file between other bytes, with no kernel copy (slower per segment)."""
     rng = np.random.default_rng(11)
     mats = [rng.standard_normal((9, c)).astype(np.float16) for c in (5, 3)]
     tall = rng.standard_normal((13, 7)).astype(np.float16)
@@ -203,28 +199,36 @@ def test_interleaved_plain_rows_are_copied_by_the_kernel_row_segment_by_segment(
     tensor = ConcatTensor(parts, 1, ir.DataType.FLOAT16, expected.shape, "gate", chunk_bytes=chunk_bytes)
     calls = _copy_calls(monkeypatch)
     assert _written(tensor, tmp_path) == expected.tobytes()
-    assert sorted(set(calls)) == [6, 10, 14] and len(calls) == 27  # 9 rows x 3 segments, in whole
-
-
-def test_narrow_or_scaled_rows_go_through_memory(tmp_path, monkeypatch):
-    """Row segments shorter than MIN_SEGMENT_BYTES, or scaled ("fold"), are read, scaled and written
-    with pwritev: no kernel copy, same bytes."""
-    rng = np.random.default_rng(12)
-    mats = [rng.standard_normal((6, c)).astype(np.float32) for c in (4, 5)]
-    scale = rng.uniform(0.5, 1.5, 6).astype(np.float32)
-    calls = _copy_calls(monkeypatch)
-    for scales in ([None, None], [scale, None]):
-        parts = [Part(_external(m, tmp_path, f"m{i}"), *m.shape, scale=scales[i]) for i, m in enumerate(mats)]
-        expected = np.concatenate([_fold(m, s, 0) for m, s in zip(mats, scales, strict=True)], axis=1)
-        tensor = ConcatTensor(parts, 1, ir.DataType.FLOAT, expected.shape, "gate", chunk_bytes=40)
-        assert _written(tensor, tmp_path) == expected.tobytes()
     assert calls == []
+
+
+def test_plain_parts_one_after_the_other_are_copied_by_the_kernel_in_pieces(tmp_path, monkeypatch):
+    """Down: unscaled whole parts are kernel copies of COPY_BYTES each (several jobs, any order)."""
+    monkeypatch.setattr(stream_concat, "COPY_BYTES", 64)
+    rng = np.random.default_rng(16)
+    mats = [rng.standard_normal((r, 6)).astype(np.float32) for r in (5, 7)]
+    parts = [Part(_external(m, tmp_path, f"p{i}"), *m.shape) for i, m in enumerate(mats)]
+    tensor = ConcatTensor(parts, 0, ir.DataType.FLOAT, (12, 6), "down")
+    calls = _copy_calls(monkeypatch)
+    assert _written(tensor, tmp_path) == np.concatenate(mats).tobytes()
+    assert sum(calls) == 12 * 6 * 4 and max(calls) == 64
+
+
+def test_scaled_rows_are_scaled_in_their_blocks(tmp_path):
+    """ "fold" on some parts only: each block is scaled in place before the rows are gathered."""
+    rng = np.random.default_rng(12)
+    mats = [rng.standard_normal((6, c)).astype(np.float16) for c in (4, 5)]
+    scale = rng.uniform(0.5, 1.5, 6).astype(np.float32)
+    scales = [scale, None]
+    parts = [Part(_external(m, tmp_path, f"m{i}"), *m.shape, scale=scales[i]) for i, m in enumerate(mats)]
+    expected = np.concatenate([_fold(m, s, 0) for m, s in zip(mats, scales, strict=True)], axis=1)
+    tensor = ConcatTensor(parts, 1, ir.DataType.FLOAT16, expected.shape, "gate", chunk_bytes=40)
+    assert _written(tensor, tmp_path) == expected.tobytes()
 
 
 @pytest.mark.parametrize("axis", [0, 1])
 def test_without_kernel_copies_the_same_bytes_go_through_a_buffer(tmp_path, monkeypatch, axis):
     """copy_file_range refused (another file system, an old kernel): the same bytes, through a buffer."""
-    monkeypatch.setattr(stream_concat, "MIN_SEGMENT_BYTES", 2)
 
     def refused(*args):
         raise OSError(errno.EXDEV, "cross-device")
@@ -243,7 +247,6 @@ def test_without_kernel_copies_the_same_bytes_go_through_a_buffer(tmp_path, monk
 @pytest.mark.parametrize("fold", [False, True])
 def test_external_data_cut_short_is_an_error(tmp_path, monkeypatch, axis, fold):
     """A data file shorter than its tensors says so, whichever path reads it (kernel copy, rows, chunks)."""
-    monkeypatch.setattr(stream_concat, "MIN_SEGMENT_BYTES", 2)
     rng = np.random.default_rng(14)
     mats = [rng.standard_normal((8, 6)).astype(np.float32) for _ in range(2)]
     parts = [Part(_external(m, tmp_path, f"m{i}"), 8, 6) for i, m in enumerate(mats)]
