@@ -35,6 +35,7 @@ from passes.blocks import Block, find_blocks, vocab_size
 from passes.errors import UserError
 from passes.graph_inputs import Signature
 from passes.model_io import load_model, load_proto, weight_bytes
+from passes.reference import ffn_weight_bytes, parallel_sum
 from passes.sessions import open_session
 
 FLOAT_TYPES = {
@@ -52,6 +53,9 @@ SKIP_NORMS = {"SkipSimplifiedLayerNormalization": "SimplifiedLayerNormalization"
               "SkipLayerNormalization": "LayerNormalization"}
 # Above this many bytes of weights a BlockRunner streams: one block's weights in memory at a time.
 STREAMING_BYTES = 3 << 30
+# model_logits, streaming: a block whose FFN holds more than this (a fused group's) is evaluated from its
+# weights a row block at a time in float64 (passes/reference.py), not loaded into a session.
+LARGE_FFN_BYTES = 256 << 20
 
 
 def session(
@@ -286,6 +290,8 @@ class BlockRunner:
         self.side: dict[str, np.ndarray] = {}
         self.logits: np.ndarray | None = None
         self._tail: tuple[list[str], onnx.ModelProto] | None = None
+        # Streaming: blocks with more FFN weight bytes than this run through the row-block reference.
+        self.large_ffn_bytes: int | None = None
 
     @property
     def vocab(self) -> int:
@@ -434,6 +440,13 @@ class BlockRunner:
 
     def run_block(self, k: int, stream: np.ndarray) -> np.ndarray:
         """Block k's output stream for input `stream` (side tensors from the last capture)."""
+        if self.streaming and self.large_ffn_bytes is not None:
+            block = self.blocks[k]
+            if ffn_weight_bytes(block) > self.large_ffn_bytes:
+                # A fused group's block can hold a whole group of weights: evaluate its FFN in float64
+                # from its weights a row block at a time (passes/reference.py) instead of loading them.
+                x = self.run_attention(k, stream) if block.attention else stream
+                return parallel_sum(x, [block], "last").astype(stream.dtype)
         cut = self.cuts[k]
         feed = {cut.input_name: stream, **{n: self.side[n] for n in cut.side_inputs}}
         # A copy: ONNX Runtime's output array keeps the memory of the run it came from (the session's arena)
@@ -449,6 +462,7 @@ def model_logits(model_path: str | Path, tokens: np.ndarray, threads: int = 0) -
         proto = load_proto(path)
         return session(proto, path.parent, threads).run(None, input_feed(proto, tokens))[0]
     runner = BlockRunner(path, threads, streaming=True)
+    runner.large_ffn_bytes = LARGE_FFN_BYTES  # fused models: one block may hold a whole group's weights
     runner.capture(tokens)
     return runner.logits
 

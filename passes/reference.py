@@ -75,6 +75,14 @@ def parallel_sum(x: np.ndarray, group: list[Block], mode: str) -> np.ndarray:
     return out
 
 
+def ffn_weight_bytes(block: Block) -> int:
+    """Bytes of the block's FFN weights as stored (int4 scales and zero points included)."""
+    values = []
+    for weight in (block.ffn.gate, block.ffn.up, block.ffn.down):
+        values += [weight.source] + ([weight.nbits.scales, weight.nbits.zero_points] if weight.nbits else [])
+    return sum(v.const_value.nbytes for v in values if v is not None)
+
+
 def ffn(z: np.ndarray, swiglu_ffn: SwiGLU) -> np.ndarray:
     """down(silu(z @ gate) * (z @ up)) in float64, each weight read a block of rows at a time."""
     hidden = silu(matmul(z, swiglu_ffn.gate)) * matmul(z, swiglu_ffn.up)

@@ -29,7 +29,7 @@ from passes.graph_inputs import FeedError, Signature
 from passes.metrics import cosine, l2_relative_error
 from passes.model_io import load_model, load_proto, weight_bytes
 from passes.plan import Plan, parse_plan
-from passes.reference import parallel_sum
+from passes.reference import ffn_weight_bytes, parallel_sum
 from passes.sessions import open_session
 
 # Above this many weight bytes the whole-model run is replaced by per-group subgraph checks. A whole-model
@@ -247,20 +247,13 @@ def _check_group_alone(
     hidden = group[0].ffn.gate.shape[0]
     rank = block.ffn_input.shape.rank() if block.ffn_input.shape is not None else 3
     x = np.random.default_rng(0).standard_normal((1, 8, hidden)[3 - rank :]).astype(np.float32)
-    if _ffn_weight_bytes(block) <= SUBGRAPH_WEIGHT_LIMIT:
+    if ffn_weight_bytes(block) <= SUBGRAPH_WEIGHT_LIMIT:
         x_name = block.ffn_input.name
         sub = _subgraph(proto, x_name, end, rank)
         (y,) = _session(sub, fused.parent).run(None, {x_name: x})
     else:
         y = parallel_sum(x, [block], "last")  # the fused block itself: its own norm weight, if any
     return GroupCheck(group_range, contribution_error(x, y, parallel_sum(x, group, mode)))
-
-
-def _ffn_weight_bytes(block: Block) -> int:
-    values = []
-    for weight in (block.ffn.gate, block.ffn.up, block.ffn.down):
-        values += [weight.source] + ([weight.nbits.scales, weight.nbits.zero_points] if weight.nbits else [])
-    return sum(v.const_value.nbytes for v in values if v is not None)
 
 
 def _subgraph(proto: onnx.ModelProto, x_name: str, y_name: str, rank: int) -> onnx.ModelProto:

@@ -80,3 +80,28 @@ def test_streaming_capture_keeps_what_is_asked(model, monkeypatch):
     for name in names:
         np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=1e-6)
     assert streamed.blocks[1].attention and names[1] != streamed.cuts[1].input_name  # after attention
+
+
+@pytest.mark.parametrize("mode", ["last", "fold"])
+def test_streamed_logits_of_a_fused_model_never_load_a_large_block(model, tmp_path, monkeypatch, mode):
+    """A fused block holds its whole group's weights: above LARGE_FFN_BYTES, model_logits evaluates it
+    from its weights a row block at a time (float64 reference), including after an attention sub-block."""
+    from passes.pipeline import fuse_file
+    from passes.plan import Plan
+
+    fused = fuse_file(model, Plan(((1, 3),), mode), tmp_path / "fused.onnx").output
+    tokens = np.random.default_rng(3).integers(0, 64, (2, 9))
+    whole = analysis.model_logits(fused, tokens)
+    referenced = []
+    parallel_sum = analysis.parallel_sum
+
+    def recorded(x, group, norm_mode):
+        referenced.append(group[0])
+        return parallel_sum(x, group, norm_mode)
+
+    monkeypatch.setattr(analysis, "parallel_sum", recorded)
+    monkeypatch.setattr(analysis, "STREAMING_BYTES", 0)
+    monkeypatch.setattr(analysis, "LARGE_FFN_BYTES", 0)
+    streamed = analysis.model_logits(fused, tokens)
+    assert len(referenced) == 4 and referenced[1].attention  # every block, the fused one after its attention
+    np.testing.assert_allclose(streamed, whole, rtol=1e-4, atol=1e-4)
