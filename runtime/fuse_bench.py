@@ -12,7 +12,8 @@ step in a fresh child process (runtime.peak_memory: wall time and the child's ow
 - tools/fuse_onnx.py with validation, "fold" (bound: 512 MB);
 - optionally FP8 quantization (scales given: calibration is an ONNX Runtime run of the whole model),
   tensor-parallel sharding at TP 8 of the unfused model, and tools/analyze.py on it (block by block above
-  3 GB; plan with --norm last: "auto" fuses the model twice and runs both whole) (bound: 512 MB);
+  3 GB; --norm auto: the plan fused with both norm modes, each model's logits computed block by block
+  too) (bound: 512 MB);
 - optionally an FP8 TensorRT-RTX engine build (reported, no bound).
 
 Outputs are deleted after each step, so the disk holds about three copies of the model at most. Before each
@@ -164,7 +165,7 @@ def bench_shape(
             (
                 "analysis",
                 ROOT / "tools" / "analyze.py",
-                [model, "--out", folder / "analysis", "--norm", "last", "--quiet"],
+                [model, "--out", folder / "analysis", "--quiet"],  # --norm auto: 2 trial fusions
             ),
         ):
             log(f"{name}: {step} ...")
