@@ -84,7 +84,16 @@ def ffn_weight_bytes(block: Block) -> int:
 
 
 def ffn(z: np.ndarray, swiglu_ffn: SwiGLU) -> np.ndarray:
-    """down(silu(z @ gate) * (z @ up)) in float64, each weight read a block of rows at a time."""
+    """down(silu(z @ gate) * (z @ up)) in float64, each weight read a block of rows at a time. Tokens go
+    through in slices whose intermediate activations stay near ACTIVATION_BYTES (a fused group's width
+    times many tokens would not), each slice reading the weights again."""
+    tokens = z.reshape(-1, z.shape[-1])
+    step = max(1, ACTIVATION_BYTES // (8 * swiglu_ffn.gate.shape[1]))
+    parts = [_ffn(tokens[start : start + step], swiglu_ffn) for start in range(0, len(tokens), step)]
+    return np.concatenate(parts).reshape(*z.shape[:-1], -1)
+
+
+def _ffn(z: np.ndarray, swiglu_ffn: SwiGLU) -> np.ndarray:
     hidden = silu(matmul(z, swiglu_ffn.gate)) * matmul(z, swiglu_ffn.up)
     return matmul(hidden, swiglu_ffn.down)
 
@@ -92,6 +101,8 @@ def ffn(z: np.ndarray, swiglu_ffn: SwiGLU) -> np.ndarray:
 # Weights are read a block of stored rows at a time (about this many bytes once in float64), and their
 # memory map is released after each block: memory stays near one block whatever the matrix size.
 ROW_BLOCK_BYTES = 32 << 20
+# One float64 intermediate activation (tokens x FFN width) of ffn() stays near this many bytes.
+ACTIVATION_BYTES = 32 << 20
 
 
 def matmul(x: np.ndarray, weight: Weight) -> np.ndarray:

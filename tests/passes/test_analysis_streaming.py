@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from exporters.synthetic import SyntheticSpec, build_synthetic
-from passes import analysis
+from passes import analysis, reference
 from passes.analysis import BlockRunner, analyze
 
 BLOCKS = [(True, 48), (True, 64), (False, 40), (False, 56), (True, 32), (False, 24)]
@@ -102,6 +102,7 @@ def test_streamed_logits_of_a_fused_model_never_load_a_large_block(model, tmp_pa
     monkeypatch.setattr(analysis, "parallel_sum", recorded)
     monkeypatch.setattr(analysis, "STREAMING_BYTES", 0)
     monkeypatch.setattr(analysis, "LARGE_FFN_BYTES", 0)
+    monkeypatch.setattr(reference, "ACTIVATION_BYTES", 1)  # one token per slice of the FFN reference
     streamed = analysis.model_logits(fused, tokens)
     assert len(referenced) == 4 and referenced[1].attention  # every block, the fused one after its attention
     np.testing.assert_allclose(streamed, whole, rtol=1e-4, atol=1e-4)
