@@ -235,11 +235,17 @@ def _preadv_all(fd: int, buffers: list[memoryview], offset: int, tensor) -> None
         if count <= 0:
             raise OSError(f"{tensor.path}: external data ends early (tensor {tensor.name!r})")
         offset += count
-        while buffers and count >= len(buffers[0]):
-            count -= len(buffers[0])
-            buffers = buffers[1:]
-        if buffers and count:
-            buffers[0] = buffers[0][count:]
+        buffers = _after(buffers, count)
+
+
+def _after(buffers: list[memoryview], count: int) -> list[memoryview]:
+    """What is left of `buffers` once a vectored read or write has moved `count` bytes."""
+    while buffers and count >= len(buffers[0]):
+        count -= len(buffers[0])
+        buffers = buffers[1:]
+    if buffers and count:
+        buffers = [buffers[0][count:], *buffers[1:]]
+    return buffers
 
 
 _LOAD = threading.Lock()  # chunks are built in threads; a tensor maps or computes its array once
@@ -415,11 +421,7 @@ def _pwrite_all(fd: int, arrays: list[np.ndarray], offset: int) -> None:
         while batch:
             count = os.pwritev(fd, batch, offset)
             offset += count
-            while batch and count >= len(batch[0]):
-                count -= len(batch[0])
-                batch = batch[1:]
-            if batch and count:
-                batch[0] = batch[0][count:]
+            batch = _after(batch, count)
 
 
 def _copy_file(path: str, offset: int, fd: int, at: int, length: int) -> None:
