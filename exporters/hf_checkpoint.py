@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING
 from exporters.hf_config import DTYPES, HfConfig, decode_spec, expected_tensors, layer_kinds, read_config
 from exporters.results import ExportResult
 from passes.errors import UserError
+from passes.file_copy import copy_range
 from passes.staging import commit_output, staged_output
 
 if TYPE_CHECKING:  # onnx_ir (~1.5 s to import) and torch (--decode only) load once the weight copy runs
@@ -517,10 +518,8 @@ def write_data(
             if run.file not in shards:
                 shards[run.file] = os.open(run.file, os.O_RDONLY)
             if run.convert is None:
-                written = _copy_range(shards[run.file], run.start, run.length, fd, run.offset)
-            else:
-                written = _convert(shards[run.file], run.convert, fd, run.offset, dtype)
-            if written != run.length:
+                copy_range(shards[run.file], run.start, fd, run.offset, run.length)
+            elif (written := _convert(shards[run.file], run.convert, fd, run.offset, dtype)) != run.length:
                 raise RuntimeError(
                     f"internal error: wrote {written} bytes at {run.offset}, expected {run.length}"
                 )
@@ -561,22 +560,6 @@ def attach_weights(model: ir.Model, placements: dict[str, Placement], path: Path
     unread = sorted(n for n, p in placements.items() if p not in attached)
     if unread:
         raise RuntimeError(f"internal error: the graph reads no initializer for {', '.join(unread[:5])}")
-
-
-def _copy_range(src: int, start: int, length: int, fd: int, offset: int) -> int:
-    """Kernel-side copy of a byte range (no user-space buffer); plain reads where that is unsupported."""
-    done = 0
-    try:
-        while done < length:
-            n = os.copy_file_range(src, fd, length - done, start + done, offset + done)
-            if n == 0:
-                raise OSError("copy_file_range copied nothing")
-            done += n
-    except OSError:
-        while done < length:
-            chunk = os.pread(src, min(CHUNK_BYTES, length - done), start + done)
-            done += os.pwrite(fd, chunk, offset + done)
-    return length
 
 
 def _convert(src: int, entry: TensorEntry, fd: int, offset: int, dtype: str) -> int:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import ctypes
-import errno
 import functools
 import io
 import mmap
@@ -42,6 +41,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx_ir as ir
+
+from passes.file_copy import copy_range
 
 CHUNK_BYTES = 1 << 20  # a built chunk: small enough to stay in a core's cache while read, scaled, written
 Source = ir.TensorProtocol | np.ndarray  # a model's tensor (external data or in memory), or an array
@@ -427,34 +428,9 @@ def _pwrite_all(fd: int, arrays: list[np.ndarray], offset: int) -> None:
 def _copy_file(path: str, offset: int, fd: int, at: int, length: int) -> None:
     source = os.open(path, os.O_RDONLY)
     try:
-        _copy_fd(source, offset, fd, at, length)
+        copy_range(source, offset, fd, at, length)
     finally:
         os.close(source)
-
-
-_NO_KERNEL_COPY = (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP)
-
-
-def _copy_fd(source: int, offset: int, fd: int, at: int, length: int) -> None:
-    """Copy `length` bytes at `offset` of `source` to `at` of `fd`: in the kernel (copy_file_range), else
-    (another file system, an old kernel) through a small buffer."""
-    done = 0
-    if hasattr(os, "copy_file_range"):
-        try:
-            while done < length:
-                count = os.copy_file_range(source, fd, length - done, offset + done, at + done)
-                if count == 0:
-                    raise OSError(f"external data ends early (fd {source}, offset {offset + done})")
-                done += count
-        except OSError as error:
-            if error.errno not in _NO_KERNEL_COPY:
-                raise
-    while done < length:
-        block = os.pread(source, min(CHUNK_BYTES, length - done), offset + done)
-        if not block:
-            raise OSError(f"external data ends early (fd {source}, offset {offset + done})")
-        _pwrite_all(fd, [np.frombuffer(block, np.uint8)], at + done)
-        done += len(block)
 
 
 def _allocate(fd: int, offset: int, length: int) -> None:
