@@ -5,7 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 # A bug, not bad input: a distinct exit status, and the traceback only when this variable is set.
@@ -43,22 +43,22 @@ def __getattr__(name: str) -> Any:
 
 def user_error_in(exc: BaseException) -> UserError | None:
     """The UserError behind `exc`: a PassManager wraps a pass's errors in PassError (from ...)."""
-    seen = 0
-    while exc is not None and seen < 8:
-        if isinstance(exc, UserError):
-            return exc
-        exc, seen = exc.__cause__, seen + 1
-    return None
+    return next((e for e in _chain(exc, interrupted=False) if isinstance(e, UserError)), None)
 
 
 def no_space_error_in(exc: BaseException) -> OSError | None:
     """The OSError(ENOSPC or EDQUOT) behind `exc`, through its causes and the exceptions it interrupted."""
-    seen = 0
-    while exc is not None and seen < 8:
-        if isinstance(exc, OSError) and exc.errno in NO_SPACE_ERRNOS:
-            return exc
-        exc, seen = exc.__cause__ or exc.__context__, seen + 1
-    return None
+    chain = _chain(exc, interrupted=True)
+    return next((e for e in chain if isinstance(e, OSError) and e.errno in NO_SPACE_ERRNOS), None)
+
+
+def _chain(exc: BaseException | None, interrupted: bool, depth: int = 8) -> Iterator[BaseException]:
+    """`exc`, then what it was raised from (and, with `interrupted`, what it interrupted), `depth` deep."""
+    for _ in range(depth):
+        if exc is None:
+            return
+        yield exc
+        exc = exc.__cause__ or (exc.__context__ if interrupted else None)
 
 
 def describe_no_space(exc: OSError) -> str:
