@@ -274,7 +274,13 @@ def _fill_stream_types(proto: onnx.ModelProto, names: list[str]) -> None:
 class BlockRunner:
     """Runs a decoder whole (capturing streams and side tensors) or block by block."""
 
-    def __init__(self, model_path: str | Path, threads: int = 0, streaming: bool | None = None):
+    def __init__(
+        self,
+        model_path: str | Path,
+        threads: int = 0,
+        streaming: bool | None = None,
+        large_ffn_bytes: int | None = None,
+    ):
         self.path = Path(model_path)
         model = load_model(self.path)
         self.blocks = find_blocks(model)
@@ -291,7 +297,7 @@ class BlockRunner:
         self.logits: np.ndarray | None = None
         self._tail: tuple[list[str], onnx.ModelProto] | None = None
         # Streaming: blocks with more FFN weight bytes than this run through the row-block reference.
-        self.large_ffn_bytes: int | None = None
+        self.large_ffn_bytes = large_ffn_bytes
 
     @property
     def vocab(self) -> int:
@@ -312,9 +318,10 @@ class BlockRunner:
     def _stream_names(self) -> list[str]:
         return [c.input_name for c in self.cuts] + [self.cuts[-1].output_name]
 
-    def _side_names(self) -> list[str]:
-        """Every side tensor a streaming capture needs: the blocks' and the tail's."""
-        return sorted({n for c in self.cuts for n in c.side_inputs} | set(self._tail_cut()[0]))
+    def _side_names(self, tail: bool) -> list[str]:
+        """The side tensors a streaming capture needs: the blocks' and, with `tail`, the tail's."""
+        tail_sides = self._tail_cut()[0] if tail else []
+        return sorted({n for c in self.cuts for n in c.side_inputs} | set(tail_sides))
 
     def _tail_cut(self) -> tuple[list[str], onnx.ModelProto]:
         """The graph after the last block: its side inputs and the subgraph last stream -> logits (the final
@@ -327,10 +334,9 @@ class BlockRunner:
             self._tail = (side, onnx.utils.Extractor(self.proto).extract_model([last, *side], [logits]))
         return self._tail
 
-    def _prefix(self) -> ort.InferenceSession:
+    def _prefix(self, sides: list[str]) -> ort.InferenceSession:
         """The graph from its inputs to the first block's input and every side tensor (the embedding,
         rotary tables, masks): what a streaming capture runs before the blocks."""
-        sides = self._side_names()
         inputs = [v.name for v in self.proto.graph.input]
         sub = onnx.utils.Extractor(self.proto).extract_model(inputs, [self.cuts[0].input_name, *sides])
         produced = {out for node in sub.graph.node for out in node.output}
@@ -344,8 +350,8 @@ class BlockRunner:
         """capture() block by block: the prefix, then each block's subgraph, one block loaded at a time."""
         extra = set(extra)
         feed = input_feed(self.proto, tokens)
-        sides = self._side_names()
-        prefix = self._prefix()
+        sides = self._side_names(tail=not only)
+        prefix = self._prefix(sides)
         values = prefix.run(None, feed)
         del prefix
         outputs = dict(zip([self.cuts[0].input_name, *sides], values, strict=True))
@@ -461,8 +467,8 @@ def model_logits(model_path: str | Path, tokens: np.ndarray, threads: int = 0) -
     if weight_bytes(load_model(path)) <= STREAMING_BYTES:
         proto = load_proto(path)
         return session(proto, path.parent, threads).run(None, input_feed(proto, tokens))[0]
-    runner = BlockRunner(path, threads, streaming=True)
-    runner.large_ffn_bytes = LARGE_FFN_BYTES  # fused models: one block may hold a whole group's weights
+    # A fused model's block may hold a whole group's weights: above LARGE_FFN_BYTES, the row-block reference.
+    runner = BlockRunner(path, threads, streaming=True, large_ffn_bytes=LARGE_FFN_BYTES)
     runner.capture(tokens)
     return runner.logits
 
