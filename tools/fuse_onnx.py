@@ -102,7 +102,7 @@ def fuse(args: argparse.Namespace) -> int:
     print(f"nodes: {result.nodes_before} -> {result.nodes_after}")
     if result.report is not None:
         print("\n".join(result.report.lines()))
-    print(f"wrote {result.output} in {time.perf_counter() - start:.1f} s")
+    print(f"wrote {result.output} in {time.perf_counter() - start:.2f} s")
     return 0
 
 
