@@ -15,6 +15,9 @@ from passes.staging import commit_output, staged_output  # noqa: F401  (re-expor
 
 # Above this many initializer bytes a model must be saved with external data (protobuf's 2 GB limit).
 EXTERNAL_DATA_THRESHOLD = 1_800_000_000
+# Initializers of at most this many bytes stay in the proto when the rest go to external data (onnx-ir's
+# default): shape inference reads small constants such as axes and shapes from the proto.
+INLINE_BYTES = 256
 
 
 def load_proto(path: str | Path) -> onnx.ModelProto:
@@ -77,5 +80,55 @@ def weight_bytes(model: ir.Model) -> int:
 
 
 def save_model(model: ir.Model, path: Path, external: bool) -> None:
-    """Save (external data as `<name>.data` beside it when `external`); tensors are written one at a time."""
-    ir.save(model, path, external_data=f"{path.name}.data" if external else None)
+    """Save (external data as `<name>.data` beside it when `external`); tensors are written one at a time.
+
+    The data file is written here rather than by onnx-ir's writer, which writes it in a temporary folder
+    and removes that folder: on a file system that discards freed blocks synchronously (ext4 mounted with
+    `discard`, as on these machines) the removal waits for all the writeback queued ahead of it, 0.5-2 s
+    after a few GB (docs/scale.md). Same layout as onnx-ir's: the initializers above INLINE_BYTES, densely,
+    in order."""
+    path = Path(path)
+    data = path.with_name(f"{path.name}.data")
+    values = [value for graph in model.graphs() for value in graph.initializers.values()]
+    tensors = [value.const_value for value in values]
+    if not external or any(_reads_from(tensor, data) for tensor in tensors):
+        # onnx-ir stages the data file itself when a tensor reads from the file it replaces
+        ir.save(model, path, external_data=data.name if external else None)
+        return
+    try:
+        with open(data, "wb") as file:
+            for value, tensor in zip(values, tensors, strict=True):
+                if tensor is None:
+                    continue
+                if tensor.nbytes > INLINE_BYTES:
+                    value.const_value = _written(tensor, file, data)
+                elif isinstance(tensor, ir.ExternalTensor):
+                    value.const_value = ir.Tensor(tensor.numpy(), dtype=tensor.dtype, name=tensor.name)
+        ir.save(model, path)  # the tensors are external now: the proto keeps their location and offset
+    except BaseException:
+        data.unlink(missing_ok=True)  # no partial data file (the proto is written last)
+        raise
+    finally:
+        for value, tensor in zip(values, tensors, strict=True):
+            value.const_value = tensor
+
+
+def _written(tensor: ir.TensorProtocol, file, data: Path) -> ir.ExternalTensor:
+    """Append `tensor`'s bytes to `file` (the data file `data`); the tensor that reads them back."""
+    offset = file.tell()
+    tensor.tofile(file)  # a ConcatTensor streams itself, an ExternalTensor is a kernel copy
+    length = file.tell() - offset
+    if length != tensor.nbytes:
+        raise ValueError(f"{tensor.name}: wrote {length} bytes for a tensor of {tensor.nbytes}")
+    return ir.ExternalTensor(
+        data.name, offset, length, tensor.dtype, shape=tensor.shape, name=tensor.name, base_dir=data.parent
+    )
+
+
+def _reads_from(tensor: ir.TensorProtocol | None, data: Path) -> bool:
+    if not isinstance(tensor, ir.ExternalTensor):
+        return False
+    try:
+        return os.path.samefile(tensor.path, data)
+    except OSError:  # either file missing
+        return False
