@@ -74,14 +74,16 @@ class Part:
         rows, cols = (cols, rows) if self.transpose else (rows, cols)
         return rows, cols if self.width is None else self.width
 
-    def read(self, start: int, stop: int, dtype: np.dtype) -> np.ndarray:
-        """Rows start:stop of the part as it enters the concatenation, scaled, in `dtype`."""
+    def read(self, start: int, stop: int, dtype: np.dtype, scaled: bool = True) -> np.ndarray:
+        """Rows start:stop of the part as it enters the concatenation, in `dtype`, scaled unless told not to
+        (the caller then scales them with `row_scale`)."""
         out = np.empty((stop - start, self.shape[1]), dtype)
-        self.read_into(out, start, stop)
+        self.read_into(out, start, stop, scaled)
         return out
 
-    def read_into(self, out: np.ndarray, start: int, stop: int) -> None:
-        """Write rows start:stop of the part, scaled, into `out` (a [stop - start, width] view of a chunk)."""
+    def read_into(self, out: np.ndarray, start: int, stop: int, scaled: bool = True) -> None:
+        """Write rows start:stop of the part, scaled unless told not to, into `out` (a [stop - start, width]
+        view of a chunk)."""
         if self._direct and out.dtype == _numpy_dtype(self.tensor):  # read straight into the chunk
             first = self.row_range[0] if self.row_range is not None else 0
             read_rows_into(self.tensor, self.cols, first + start, out)
@@ -91,8 +93,14 @@ class Part:
             if self.col_range is not None and not self.transpose:
                 block = block[:, self.col_range[0] : self.col_range[1]]
             out[...] = self.transform(block) if self.transform is not None else block
-        if self.scale is not None:
-            scale_rows(out, self.scale[start:stop, None] if self.scale_axis == 0 else self.scale[None, :])
+        if scaled and self.scale is not None:
+            scale_rows(out, self.row_scale(start, stop))
+
+    def row_scale(self, start: int, stop: int) -> np.ndarray | None:
+        """The scale of rows start:stop, shaped to broadcast over them (None: not scaled)."""
+        if self.scale is None:
+            return None
+        return self.scale[start:stop, None] if self.scale_axis == 0 else self.scale[None, :]
 
     @property
     def _direct(self) -> bool:
@@ -120,36 +128,58 @@ class Part:
 
 
 def scale_rows(out: np.ndarray, scale: np.ndarray) -> None:
-    """out = dtype(float32(out) * scale), in place: multiplied in float32 and rounded once (to nearest even)
-    to out's dtype, exactly as numpy computes it on the whole matrix.
+    """out = dtype(float32(out) * scale), in place (see scale_blocks)."""
+    scale_blocks([out], [scale])
+
+
+def scale_blocks(blocks: list[np.ndarray], scales: list[np.ndarray | None]) -> None:
+    """Each block = dtype(float32(block) * its scale), in place (a None scale leaves its block as is):
+    multiplied in float32 and rounded once (to nearest even) to the block's dtype, exactly as numpy
+    computes it on the whole matrix.
 
     float16 goes through ONNX Runtime's Cast -> Mul -> Cast, which converts with F16C/AVX2 (MLAS): numpy
     2.4 converts float16 element by element, 4-7x slower here, which made half-precision "fold" CPU-bound
-    (measured in docs/scale.md). Same IEEE operations, so the same bits (tests/passes/test_stream_concat.py
-    compares them with numpy's for every float16 value). bfloat16 (ml_dtypes) and float32 convert fast in
-    numpy: one buffered pass, no float32 copy of the chunk.
+    (measured in docs/scale.md). All the float16 blocks of a chunk go through one run: a run costs tens of
+    microseconds of its own, and one per block was a third of the scale's CPU time. Same IEEE operations,
+    so the same bits (tests/passes/test_stream_concat.py compares them with numpy's for every float16
+    value). bfloat16 (ml_dtypes) and float32 convert fast in numpy: one buffered pass, no float32 copy.
     """
-    scale = np.ascontiguousarray(scale, np.float32)
-    # A NaN scale times a NaN weight: x86 keeps the first operand's payload, and the operand order differs.
-    if out.dtype == np.float16 and out.size and not np.isnan(scale).any():
-        with _LOAD:  # built once, by whichever chunk builder comes first
-            session = _half_fold()
-        if not out.flags.c_contiguous:
-            out[...] = session.run(None, {"w": np.ascontiguousarray(out), "g": scale})[0]
-            return
-        # In place: elementwise, so each value is read before it is written. No copies, no allocation.
-        binding = session.io_binding()
-        binding.bind_cpu_input("w", out)
-        binding.bind_cpu_input("g", scale)
-        binding.bind_output("y", "cpu", 0, np.float16, list(out.shape), out.ctypes.data)
-        session.run_with_iobinding(binding)
-        return
-    np.multiply(out, scale, out=out, dtype=np.float32, casting="unsafe")
+    half: list[tuple[np.ndarray, np.ndarray]] = []
+    for block, scale in zip(blocks, scales, strict=True):
+        if scale is None or not block.size:
+            continue
+        scale = np.ascontiguousarray(scale, np.float32)
+        # A NaN scale times a NaN weight: x86 keeps the first operand's payload, and the operand order
+        # differs between numpy and ONNX Runtime; numpy decides there.
+        if block.dtype == np.float16 and not np.isnan(scale).any():
+            half.append((block, scale))
+        else:
+            np.multiply(block, scale, out=block, dtype=np.float32, casting="unsafe")
+    if half:
+        _half_fold_in_place(half)
+
+
+def _half_fold_in_place(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    """One ONNX Runtime run over every (float16 block, float32 scale) pair, each written in place."""
+    with _LOAD:  # built once per count, by whichever chunk builder comes first
+        session = _half_fold(len(pairs))
+    binding = session.io_binding()
+    contiguous = [block if block.flags.c_contiguous else np.ascontiguousarray(block) for block, _ in pairs]
+    for i, (block, (_, scale)) in enumerate(zip(contiguous, pairs, strict=True)):
+        # In place: elementwise, so each value is read before it is written. No allocation.
+        binding.bind_cpu_input(f"w{i}", block)
+        binding.bind_cpu_input(f"g{i}", scale)
+        binding.bind_output(f"y{i}", "cpu", 0, np.float16, list(block.shape), block.ctypes.data)
+    session.run_with_iobinding(binding)
+    for block, (out, _) in zip(contiguous, pairs, strict=True):
+        if block is not out:  # a strided view was scaled in a contiguous copy
+            out[...] = block
 
 
 @functools.cache
-def _half_fold():
-    """A one-thread ONNX Runtime session computing float16(float32(w) * g) (g float32, broadcast)."""
+def _half_fold(count: int):
+    """A one-thread ONNX Runtime session computing y_i = float16(float32(w_i) * g_i) for `count` pairs
+    (g_i float32, broadcast)."""
     import onnx  # only here: stream_concat itself needs neither onnx nor onnxruntime
 
     from passes.sessions import open_session
@@ -157,16 +187,16 @@ def _half_fold():
     helper, half, single = onnx.helper, onnx.TensorProto.FLOAT16, onnx.TensorProto.FLOAT
     value = helper.make_tensor_value_info
     matrix = [None, None]
-    graph = helper.make_graph(
-        [
-            helper.make_node("Cast", ["w"], ["w32"], to=single),
-            helper.make_node("Mul", ["w32", "g"], ["y32"]),
-            helper.make_node("Cast", ["y32"], ["y"], to=half),
-        ],
-        "half_fold",
-        [value("w", half, matrix), value("g", single, matrix)],
-        [value("y", half, matrix)],
-    )
+    nodes, inputs, outputs = [], [], []
+    for i in range(count):
+        nodes += [
+            helper.make_node("Cast", [f"w{i}"], [f"w32_{i}"], to=single),
+            helper.make_node("Mul", [f"w32_{i}", f"g{i}"], [f"y32_{i}"]),
+            helper.make_node("Cast", [f"y32_{i}"], [f"y{i}"], to=half),
+        ]
+        inputs += [value(f"w{i}", half, matrix), value(f"g{i}", single, matrix)]
+        outputs.append(value(f"y{i}", half, matrix))
+    graph = helper.make_graph(nodes, "half_fold", inputs, outputs)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     return open_session(model, threads=1)  # the chunk builders are the parallelism (_WORKERS threads)
 
@@ -349,8 +379,10 @@ class ConcatTensor(ir.LazyTensor):
         _pwrite_all(fd, pieces, at)
 
     def _blocks(self, start: int, stop: int) -> list[np.ndarray]:
-        """Rows start:stop of each part (contiguous, so that scaling runs on them in place)."""
-        return [part.read(start, stop, self._work_dtype()) for part in self.parts]
+        """Rows start:stop of each part, scaled (contiguous, so that scaling runs on them in place)."""
+        blocks = [part.read(start, stop, self._work_dtype(), scaled=False) for part in self.parts]
+        scale_blocks(blocks, [part.row_scale(start, stop) for part in self.parts])
+        return blocks
 
     def _checked(self, chunk: np.ndarray, rows: int) -> np.ndarray:
         if chunk.nbytes != rows * self._row_bytes():

@@ -13,7 +13,7 @@ import pytest
 
 from passes import stream_concat
 from passes.fuse import _pack, _unpack
-from passes.stream_concat import ConcatTensor, Part, scale_rows
+from passes.stream_concat import ConcatTensor, Part, scale_blocks, scale_rows
 
 DTYPES = {"float32": ir.DataType.FLOAT, "float16": ir.DataType.FLOAT16, "bfloat16": ir.DataType.BFLOAT16}
 
@@ -167,6 +167,39 @@ def test_float16_fold_equals_numpy_bit_for_bit():
             assert out.view(np.uint16).tobytes() == expected.view(np.uint16).tobytes()
             assert wide[:, 20:276].view(np.uint16).tobytes() == expected.view(np.uint16).tobytes()
             assert not wide[:, :20].any() and not wide[:, 276:].any()
+
+
+def test_a_chunks_blocks_are_scaled_together_as_each_alone(monkeypatch):
+    """scale_blocks: float16 blocks (contiguous or a view) in one ONNX Runtime run, the others (bfloat16,
+    float32, a NaN scale) in numpy, a None scale left alone: each block's bits as numpy gives them."""
+    import ml_dtypes
+
+    import passes.stream_concat
+
+    rng = np.random.default_rng(3)
+    runs = []
+    fold = passes.stream_concat._half_fold_in_place
+    monkeypatch.setattr(passes.stream_concat, "_half_fold_in_place", lambda pairs: runs.append(fold(pairs)))
+    wide = rng.standard_normal((5, 40)).astype(np.float16)
+    blocks = [
+        rng.standard_normal((5, 7)).astype(np.float16),
+        wide[:, 3:11],  # a strided view
+        rng.standard_normal((5, 9)).astype(ml_dtypes.bfloat16),
+        rng.standard_normal((5, 4)).astype(np.float32),
+        rng.standard_normal((5, 6)).astype(np.float16),  # NaN scale: numpy decides
+        rng.standard_normal((5, 3)).astype(np.float16),  # no scale
+    ]
+    scales = [rng.uniform(-2, 2, (5, 1)).astype(np.float32) for _ in blocks]
+    scales[4][2] = np.nan
+    scales[5] = None
+    with np.errstate(invalid="ignore"):
+        pairs = zip(blocks, scales, strict=True)
+        expected = [b if g is None else (b.astype(np.float32) * g).astype(b.dtype) for b, g in pairs]
+        scale_blocks(blocks, scales)
+    assert len(runs) == 1  # the two float16 blocks with finite scales, together
+    for block, want in zip(blocks, expected, strict=True):
+        assert block.tobytes() == want.tobytes()
+    assert wide[:, 3:11].tobytes() == expected[1].tobytes()
 
 
 def _copy_calls(monkeypatch) -> list[int]:
