@@ -1,6 +1,7 @@
 """Linear layers of a graph: MatMuls whose B input is a constant 2-D float weight (FP8 quantizes them).
 
-The weight may be an initializer or a Constant node, reached through Transpose, Cast and Identity nodes.
+The weight may be an initializer or a Constant node, reached through Transpose, Cast and Identity nodes
+(passes.patterns.linear finds it).
 The lm_head is the linear layer from which a graph output is reached without passing another MatMul.
 """
 
@@ -10,6 +11,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import onnx_ir as ir
+
+from passes.graph import attr
+from passes.patterns.linear import weight_ref
 
 _PASSTHROUGH_WEIGHT_OPS = ("Transpose", "Cast", "Identity")
 
@@ -38,43 +42,18 @@ class Linear:
         return (cols, rows) if self.weight.transpose else (rows, cols)
 
 
-def _constant_tensor(value: ir.Value) -> ir.TensorProtocol | None:
-    if value.is_graph_input():
+def _weight_source(node: ir.Node) -> WeightSource | None:
+    """The float constant 2-D weight behind a MatMul's B input; None if B is not one. DequantizeLinear is
+    no passthrough here: a weight behind one is quantized already."""
+    ref = weight_ref(node)
+    if ref is None or any(n.op_type not in _PASSTHROUGH_WEIGHT_OPS for n in ref.chain):
         return None
-    if value.const_value is not None and value.is_initializer():
-        return value.const_value
-    producer = value.producer()
-    if producer is not None and producer.op_type == "Constant" and producer.domain == "":
-        attr = producer.attributes.get("value")
-        if attr is not None and attr.type == ir.AttributeType.TENSOR:
-            return attr.value
-    return None
-
-
-def _weight_source(value: ir.Value) -> WeightSource | None:
-    """Follow Transpose/Cast/Identity back to a constant 2-D weight; None if B is not constant."""
-    transpose = False
-    dtype = value.dtype
-    for _ in range(8):
-        tensor = _constant_tensor(value)
-        if tensor is not None:
-            if len(tensor.shape) != 2 or not tensor.dtype.is_floating_point():
-                return None
-            return WeightSource(value=value, tensor=tensor, transpose=transpose, dtype=dtype or tensor.dtype)
-        producer = value.producer()
-        if producer is None or producer.domain != "" or producer.op_type not in _PASSTHROUGH_WEIGHT_OPS:
-            return None
-        if producer.op_type == "Transpose":
-            perm = producer.attributes.get("perm")
-            if perm is not None and list(perm.as_ints()) != [1, 0]:
-                return None
-            transpose = not transpose
-        if producer.op_type == "Cast" and dtype is None:
-            dtype = ir.DataType(producer.attributes["to"].as_int())
-        value = producer.inputs[0]
-        if value is None:
-            return None
-    return None
+    tensor = ref.tensor
+    if not tensor.dtype.is_floating_point():
+        return None
+    casts = [n for n in ref.chain if n.op_type == "Cast"]
+    dtype = ref.value.dtype or (ir.DataType(attr(casts[-1], "to", 0)) if casts else tensor.dtype)
+    return WeightSource(value=ref.source, tensor=tensor, transpose=ref.source_axis(0) == 1, dtype=dtype)
 
 
 def _reaches_output_without_matmul(value: ir.Value) -> bool:
@@ -101,7 +80,7 @@ def find_linears(graph: ir.Graph) -> list[Linear]:
         a, b = node.inputs
         if a is None or b is None or (a.dtype is not None and not a.dtype.is_floating_point()):
             continue
-        source = _weight_source(b)
+        source = _weight_source(node)
         if source is None or not source.dtype.is_floating_point():
             continue
         lm_head = _reaches_output_without_matmul(node.outputs[0])

@@ -5,8 +5,8 @@ reached through Transpose/Cast/Identity/DequantizeLinear (FP8 Q/DQ), and ORT's M
     ref = weight_ref(node)       # WeightRef | None
     linear_shape(node)           # (in, out) as the layer multiplies; NoMatch when it is no such layer
 
-The attention recognizer (passes.patterns.attention) and the sharder (passes.shard_graph) both read
-linear layers through this module.
+The attention and SwiGLU recognizers (passes.patterns.attention, .swiglu), the sharder (passes.shard_graph)
+and FP8's linear-layer finder (passes.linears) all read linear layers through this module.
 """
 
 from __future__ import annotations
@@ -76,7 +76,9 @@ def constant_tensor(value: ir.Value | None) -> ir.TensorProtocol | None:
 def linear_weight(node: ir.Node) -> WeightRef:
     """The constant 2-D weight of a MatMul/Gemm (or the block-quantized weight of a MatMulNBits); NoMatch
     when `node` is no linear layer or its weight input is computed."""
-    if node.op_type == "MatMulNBits" and node.domain == "com.microsoft":
+    if node.op_type == "MatMulNBits":
+        if node.domain != "com.microsoft":
+            raise NoMatch(f"MatMulNBits in domain {node.domain!r} is not ONNX Runtime's")
         weight = node.inputs[1] if len(node.inputs) > 1 else None
         tensor = constant_tensor(weight)
         if weight is None or tensor is None or len(tensor.shape) != 3:

@@ -14,8 +14,7 @@ import numpy as np
 import onnx_ir as ir
 
 from passes.graph import NoMatch, attr, constant, is_initializer, maybe_producer, producer
-
-MATMUL_NBITS = ("com.microsoft", "MatMulNBits")
+from passes.patterns.linear import WeightRef, linear_weight
 
 
 @dataclass(frozen=True)
@@ -171,42 +170,38 @@ def _columns(node: ir.Node, value: ir.Value, weight: Weight) -> tuple[int, int]:
 def _match_linear(output: ir.Value) -> tuple[ir.Value, Weight]:
     """MatMul(x, W) | MatMul(x, Transpose(W)) | Gemm(x, W, transB=1) | MatMulNBits; returns (x, weight)."""
     node = producer(output, "MatMul", "Gemm", "MatMulNBits")
-    x, weight = node.inputs[0], node.inputs[1]
-    if node.op_type == "MatMulNBits":
-        return x, _nbits_weight(node)
-    if node.op_type == "Gemm":
-        if len(node.inputs) > 2 or attr(node, "transA", 0) or attr(node, "alpha", 1.0) != 1.0:
-            raise NoMatch("Gemm with bias, transA or alpha is not a plain linear layer")
-        return x, _weight(weight, transposed=bool(attr(node, "transB", 0)))
-    transpose = maybe_producer(weight, "Transpose")
-    if transpose is not None:
-        if list(attr(transpose, "perm", [1, 0])) != [1, 0]:
-            raise NoMatch("weight Transpose is not a 2-D transpose")
-        return x, _weight(transpose.inputs[0], transposed=True)
-    return x, _weight(weight, transposed=False)
+    if node.op_type == "Gemm" and (
+        len(node.inputs) > 2 or attr(node, "transA", 0) or attr(node, "alpha", 1.0) != 1.0
+    ):
+        raise NoMatch("Gemm with bias, transA or alpha is not a plain linear layer")
+    ref = linear_weight(node)
+    return node.inputs[0], _nbits_weight(ref) if ref.nbits else _weight(ref)
 
 
-def _weight(value: ir.Value, transposed: bool) -> Weight:
-    if not is_initializer(value) or len(value.const_value.shape) != 2:
-        raise NoMatch(f"linear weight {value.name} is not a 2-D initializer")
-    return Weight(value, transposed)
+def _weight(ref: WeightRef) -> Weight:
+    """The fuser reads the initializer itself, so the weight is one used as is, or (MatMul) through one
+    Transpose; Cast, Identity, DequantizeLinear or a Constant node in between are not fused."""
+    through = [n.op_type for n in ref.chain]
+    plain = through == [] or (through == ["Transpose"] and ref.node.op_type == "MatMul")
+    if not plain or not is_initializer(ref.source):
+        raise NoMatch(f"linear weight {ref.value.name} is not a 2-D initializer")
+    return Weight(ref.source, transposed=ref.source_axis(0) == 1)
 
 
-def _nbits_weight(node: ir.Node) -> Weight:
-    if (node.domain, node.op_type) != MATMUL_NBITS:
-        raise NoMatch(f"MatMulNBits in domain {node.domain!r} is not ONNX Runtime's")
-    packed, scales = node.inputs[1], node.inputs[2]
+def _nbits_weight(ref: WeightRef) -> Weight:
+    node = ref.node
+    scales = node.inputs[2]
     zero_points = node.inputs[3] if len(node.inputs) > 3 else None
     if any(v is not None for v in node.inputs[4:]):
         raise NoMatch("MatMulNBits with g_idx or bias is not a plain linear layer")
-    if not all(is_initializer(v) for v in (packed, scales)) or (
+    if not all(is_initializer(v) for v in (ref.source, scales)) or (
         zero_points is not None and not is_initializer(zero_points)
     ):
         raise NoMatch("MatMulNBits weights, scales or zero points are not initializers")
-    k, n = int(attr(node, "K", 0)), int(attr(node, "N", 0))
+    k, n = ref.matrix_shape()
     bits, block_size = int(attr(node, "bits", 4)), int(attr(node, "block_size", 0))
     nbits = NBits(node, scales, zero_points, k, n, bits, block_size)
-    if tuple(packed.const_value.shape) != (n, nbits.blocks, block_size * bits // 8):
-        shape = tuple(packed.const_value.shape)
+    shape = tuple(ref.tensor.shape)
+    if shape != (n, nbits.blocks, block_size * bits // 8):
         raise NoMatch(f"MatMulNBits weight shape {shape} disagrees with K={k}, N={n}, bits={bits}")
-    return Weight(packed, True, None, nbits)
+    return Weight(ref.source, True, None, nbits)
