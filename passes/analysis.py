@@ -464,8 +464,8 @@ def model_logits(model_path: str | Path, tokens: np.ndarray, threads: int = 0) -
     """The model's first output (logits) on `tokens`: one whole-model session, or above STREAMING_BYTES of
     weights block by block (BlockRunner streaming), so that a model larger than RAM is never loaded whole."""
     path = Path(model_path)
-    if weight_bytes(load_model(path)) <= STREAMING_BYTES:
-        proto = load_proto(path)
+    proto = load_proto(path)
+    if weight_bytes(ir.serde.deserialize_model(proto)) <= STREAMING_BYTES:  # sizes only: no data is read
         return session(proto, path.parent, threads).run(None, input_feed(proto, tokens))[0]
     # A fused model's block may hold a whole group's weights: above LARGE_FFN_BYTES, the row-block reference.
     runner = BlockRunner(path, threads, streaming=True, large_ffn_bytes=LARGE_FFN_BYTES)
