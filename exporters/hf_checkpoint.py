@@ -294,6 +294,8 @@ def export_hf(
     log(f"exporting {kind}{folder} to {output} ({dtype}; weights streamed from the safetensors) ...")
     placements = plan_layout(sources, ITEMSIZE[dtype])
     stop = threading.Event()
+    if any(_SAFETENSORS_DTYPES[s.entry.dtype] != dtype for s in sources.values()):
+        _import_converters()
     with staged_output(output) as staging, ThreadPoolExecutor(max_workers=1) as pool:
         staged = staging / output.name
         # The weights' names and places come from config.json and the safetensors headers alone, so the
@@ -560,6 +562,15 @@ def attach_weights(model: ir.Model, placements: dict[str, Placement], path: Path
     unread = sorted(n for n, p in placements.items() if p not in attached)
     if unread:
         raise RuntimeError(f"internal error: the graph reads no initializer for {', '.join(unread[:5])}")
+
+
+def _import_converters() -> None:
+    """Import numpy and ml_dtypes (which converting needs) in this thread before the writer starts: the
+    main thread imports numpy too (through onnx_ir), and two threads importing numpy for the first time
+    at once can get it half initialized ("cannot import name '__cpu_features__' from partially initialized
+    module"; seen in CI)."""
+    import ml_dtypes  # noqa: F401
+    import numpy  # noqa: F401
 
 
 def _convert(src: int, entry: TensorEntry, fd: int, offset: int, dtype: str) -> int:

@@ -49,8 +49,10 @@ CHAIN_TOLERANCE = 1e-3
 # Ops whose output depends only on their input's shape: skipping a block does not change it.
 SHAPE_ONLY_OPS = {"Shape", "Size"}
 # Fused add + norm (ONNX Runtime contrib ops): output 0 is the normalized sum, output 3 the sum (the stream).
-SKIP_NORMS = {"SkipSimplifiedLayerNormalization": "SimplifiedLayerNormalization",
-              "SkipLayerNormalization": "LayerNormalization"}
+SKIP_NORMS = {
+    "SkipSimplifiedLayerNormalization": "SimplifiedLayerNormalization",
+    "SkipLayerNormalization": "LayerNormalization",
+}
 # Above this many bytes of weights a BlockRunner streams: one block's weights in memory at a time.
 STREAMING_BYTES = 3 << 30
 # model_logits, streaming: a block whose FFN holds more than this (a fused group's) is evaluated from its
@@ -169,8 +171,9 @@ def _proto_node(graph: _Graph, node: ir.Node) -> onnx.NodeProto:
 def stream_names(proto: onnx.ModelProto, blocks: list[Block]) -> list[tuple[str, str]]:
     """(input, output) stream names of every block. A last block whose residual sum the final
     Skip*Normalization keeps internal (output 3 unnamed) gets that output named in `proto`."""
-    names = [(b.block_input.name, b.residual.output.name if b.residual.output is not None else "")
-             for b in blocks]
+    names = [
+        (b.block_input.name, b.residual.output.name if b.residual.output is not None else "") for b in blocks
+    ]
     if not names[-1][1]:
         graph = _Graph(proto)
         node = _proto_node(graph, blocks[-1].residual.node)

@@ -108,6 +108,7 @@ staged_output = hf_checkpoint.staged_output
 
 def recording_staged_output(path):  # entered right before the weight copy starts
     loaded_at_copy.extend(m for m in heavy if m in sys.modules)
+    print("numpy when the copy started:", "numpy" in sys.modules)
     return staged_output(path)
 
 hf_checkpoint.staged_output = recording_staged_output
@@ -124,7 +125,8 @@ print("torch:", sorted(m for m in sys.modules if m.split(".")[0] in heavy[:3]))
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])  # the kernel copy, and converted rows
 def test_prefill_export_imports_no_torch(tiny_nemotron, tmp_path, dtype: str) -> None:
     """`export_model.py --hf` never imports torch, transformers or safetensors, and starts copying the
-    weights before onnx and onnx_ir (seconds of imports) are loaded."""
+    weights before onnx and onnx_ir (seconds of imports) are loaded. A converting copy starts after numpy
+    is imported: the writer thread and the main thread importing numpy at once can break its import."""
     out = tmp_path / "out" / "model.onnx"
     result = subprocess.run(
         [sys.executable, "-c", _NO_TORCH, "--hf", str(tiny_nemotron), "--dtype", dtype, "-o", str(out)],
@@ -136,6 +138,7 @@ def test_prefill_export_imports_no_torch(tiny_nemotron, tmp_path, dtype: str) ->
     assert result.returncode == 0, result.stderr
     assert "loaded when the copy started: []" in result.stdout, result.stdout
     assert "torch: []" in result.stdout, result.stdout
+    assert f"numpy when the copy started: {dtype != 'bfloat16'}" in result.stdout, result.stdout
     assert f"{dtype}, opset 20" in result.stdout
     reference = tmp_path / "ref" / "model.onnx"
     export_hf(tiny_nemotron, reference, dtype=dtype)  # in this process, torch loaded: the same files
