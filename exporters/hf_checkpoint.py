@@ -294,7 +294,7 @@ def export_hf(
     log(f"exporting {kind}{folder} to {output} ({dtype}; weights streamed from the safetensors) ...")
     placements = plan_layout(sources, ITEMSIZE[dtype])
     stop = threading.Event()
-    if any(_SAFETENSORS_DTYPES[s.entry.dtype] != dtype for s in sources.values()):
+    if any(_converts(s.entry, dtype) for s in sources.values()):
         _import_converters()
     with staged_output(output) as staging, ThreadPoolExecutor(max_workers=1) as pool:
         staged = staging / output.name
@@ -485,7 +485,7 @@ def plan_runs(sources: dict[str, WeightSource], placements: dict[str, Placement]
         seen.add(placement)
         entry = sources[name].entry
         last = runs[-1] if runs else None
-        if _SAFETENSORS_DTYPES[entry.dtype] != dtype:
+        if _converts(entry, dtype):
             runs.append(_Run(entry.file, entry.start, placement.length, placement.offset, entry))
         elif (
             last is not None
@@ -562,6 +562,11 @@ def attach_weights(model: ir.Model, placements: dict[str, Placement], path: Path
     unread = sorted(n for n, p in placements.items() if p not in attached)
     if unread:
         raise RuntimeError(f"internal error: the graph reads no initializer for {', '.join(unread[:5])}")
+
+
+def _converts(entry: TensorEntry, dtype: str) -> bool:
+    """The tensor is stored in another dtype than the export's: written through _convert, not copied."""
+    return _SAFETENSORS_DTYPES[entry.dtype] != dtype
 
 
 def _import_converters() -> None:

@@ -78,12 +78,14 @@ class Part:
         """Rows start:stop of the part as it enters the concatenation, in `dtype`, scaled unless told not to
         (the caller then scales them with `row_scale`)."""
         out = np.empty((stop - start, self.shape[1]), dtype)
-        self.read_into(out, start, stop, scaled)
+        self.read_into(out, start, stop)
+        if scaled and self.scale is not None:
+            scale_rows(out, self.row_scale(start, stop))
         return out
 
-    def read_into(self, out: np.ndarray, start: int, stop: int, scaled: bool = True) -> None:
-        """Write rows start:stop of the part, scaled unless told not to, into `out` (a [stop - start, width]
-        view of a chunk)."""
+    def read_into(self, out: np.ndarray, start: int, stop: int) -> None:
+        """Write rows start:stop of the part, unscaled, into `out` (a [stop - start, width] view of a
+        chunk)."""
         if self._direct and out.dtype == _numpy_dtype(self.tensor):  # read straight into the chunk
             first = self.row_range[0] if self.row_range is not None else 0
             read_rows_into(self.tensor, self.cols, first + start, out)
@@ -93,8 +95,6 @@ class Part:
             if self.col_range is not None and not self.transpose:
                 block = block[:, self.col_range[0] : self.col_range[1]]
             out[...] = self.transform(block) if self.transform is not None else block
-        if scaled and self.scale is not None:
-            scale_rows(out, self.row_scale(start, stop))
 
     def row_scale(self, start: int, stop: int) -> np.ndarray | None:
         """The scale of rows start:stop, shaped to broadcast over them (None: not scaled)."""
