@@ -6,8 +6,9 @@ A `ConcatTensor` is the concatenation of `Part`s along one axis of the stored ma
 - axis 1: each output row is the parts' rows side by side (rows interleave the parts).
 
 When the model is saved into a regular file, `tofile` allocates the tensor's range (fallocate) and runs
-jobs on two threads, each writing its own byte range at its offset (pwrite), so no thread waits for a
-writer:
+jobs on two threads, each writing its own byte range at its offset (pwrite), one write at a time (the
+kernel serializes writes to a file anyway; see _WRITING), so that one thread builds a chunk while the
+other writes:
 
 - plain parts (whole rows, unscaled) of an axis-0 concatenation: kernel copies, file to file
   (copy_file_range), in COPY_BYTES pieces;
@@ -446,21 +447,29 @@ def _write(file, chunk: np.ndarray) -> None:
     file.write(memoryview(np.ascontiguousarray(chunk).view(np.uint8).reshape(-1)))
 
 
+# One write at a time. A write holds the file's inode lock in the kernel, and a second thread writing the
+# same file spins on that lock for as long as the first is copying (rwsem_spin_on_owner was a quarter of a
+# "fold"'s CPU time in `perf`): waiting here it sleeps instead, and its core reads and scales the next chunk.
+_WRITING = threading.Lock()
+
+
 def _pwrite_all(fd: int, arrays: list[np.ndarray], offset: int) -> None:
     """Write the arrays' bytes one after the other at `offset` (pwritev, IOV_MAX buffers a call)."""
     buffers = [memoryview(np.ascontiguousarray(a).view(np.uint8).reshape(-1)) for a in arrays if a.size]
-    for first in range(0, len(buffers), _IOV_MAX):
-        batch = buffers[first : first + _IOV_MAX]
-        while batch:
-            count = os.pwritev(fd, batch, offset)
-            offset += count
-            batch = _after(batch, count)
+    with _WRITING:
+        for first in range(0, len(buffers), _IOV_MAX):
+            batch = buffers[first : first + _IOV_MAX]
+            while batch:
+                count = os.pwritev(fd, batch, offset)
+                offset += count
+                batch = _after(batch, count)
 
 
 def _copy_file(path: str, offset: int, fd: int, at: int, length: int) -> None:
     source = os.open(path, os.O_RDONLY)
     try:
-        copy_range(source, offset, fd, at, length)
+        with _WRITING:
+            copy_range(source, offset, fd, at, length)
     finally:
         os.close(source)
 
