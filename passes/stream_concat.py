@@ -12,15 +12,21 @@ other writes:
 
 - plain parts (whole rows, unscaled) of an axis-0 concatenation: kernel copies, file to file
   (copy_file_range), in COPY_BYTES pieces;
-- anything else (interleaved gate/up rows, "fold", transposed or unpacked parts): chunks of about
-  CHUNK_BYTES (small enough to stay in a core's cache), each part's rows read with `os.preadv` into a
-  contiguous block, scaled there in place, and the output rows gathered from the blocks by one pwritev.
+- interleaved gate/up rows: chunks of about CHUNK_BYTES (small enough to stay in a core's cache). Each
+  part's rows of a chunk are mapped from its data file with MAP_POPULATE (page table entries for the
+  file's cached pages in one call, no copy and no page faults; unmapped as soon as the chunk is written),
+  scaled from there into a block when "fold" scales them, and the output rows gathered by one pwritev
+  straight from the mapped rows or the blocks. So an unscaled row is copied once, by the write, as `cp`
+  copies it (reading the rows into a buffer first was 1.5x slower here);
+- anything else (transposed or unpacked parts, in-memory tensors, row-stacked scaled parts): each part's
+  rows read with `os.preadv` into a contiguous block, scaled there in place.
   (One copy_file_range per interleaved row segment was measured too: slower, and more kernel time, than
   this with two threads, at every segment size from 4 to 56 KB; docs/scale.md.)
 
 Into a stream (an in-memory buffer), chunks are built and written in order. Neither a source nor the
-fused matrix is ever mapped or held whole, so memory does not grow with the group or the matrix size
-(file pages a process maps count towards its resident size; pages it only reads or writes do not).
+fused matrix is ever mapped (beyond a chunk's rows) or held whole, so memory does not grow with the group
+or the matrix size (file pages a process maps count towards its resident size; pages it only reads or
+writes do not).
 "fold" multiplies each part's norm weight into its input dimension in float32, and half-precision rows
 are rounded once, exactly as a whole-matrix numpy computation would round them (`scale_rows`; float16
 through ONNX Runtime's vectorized casts).
@@ -97,6 +103,16 @@ class Part:
                 block = block[:, self.col_range[0] : self.col_range[1]]
             out[...] = self.transform(block) if self.transform is not None else block
 
+    def mapped_rows(self, start: int, stop: int, dtype: np.dtype) -> np.ndarray | None:
+        """Rows start:stop as a read-only view of the data file's pages (see map_rows), or None when the
+        part is not whole stored rows of an external data file in `dtype`."""
+        if not (self._direct and isinstance(self.tensor, ir.ExternalTensor)):
+            return None
+        if _numpy_dtype(self.tensor) != dtype or stop <= start:
+            return None
+        first = self.row_range[0] if self.row_range is not None else 0
+        return map_rows(self.tensor, self.cols, first + start, stop - start)
+
     def row_scale(self, start: int, stop: int) -> np.ndarray | None:
         """The scale of rows start:stop, shaped to broadcast over them (None: not scaled)."""
         if self.scale is None:
@@ -133,9 +149,14 @@ def scale_rows(out: np.ndarray, scale: np.ndarray) -> None:
     scale_blocks([out], [scale])
 
 
-def scale_blocks(blocks: list[np.ndarray], scales: list[np.ndarray | None]) -> None:
-    """Each block = dtype(float32(block) * its scale), in place (a None scale leaves its block as is):
-    multiplied in float32 and rounded once (to nearest even) to the block's dtype, exactly as numpy
+def scale_blocks(
+    blocks: list[np.ndarray],
+    scales: list[np.ndarray | None],
+    sources: list[np.ndarray | None] | None = None,
+) -> None:
+    """Each block = dtype(float32(its source) * its scale), where a block's source is the block itself (in
+    place) unless `sources` gives another array of its shape and dtype; a None scale leaves its block as
+    is. Multiplied in float32 and rounded once (to nearest even) to the block's dtype, exactly as numpy
     computes it on the whole matrix.
 
     float16 goes through ONNX Runtime's Cast -> Mul -> Cast, which converts with F16C/AVX2 (MLAS): numpy
@@ -145,40 +166,41 @@ def scale_blocks(blocks: list[np.ndarray], scales: list[np.ndarray | None]) -> N
     so the same bits (tests/passes/test_stream_concat.py compares them with numpy's for every float16
     value). bfloat16 (ml_dtypes) and float32 convert fast in numpy: one buffered pass, no float32 copy.
     """
-    half: list[tuple[np.ndarray, np.ndarray]] = []
-    for block, scale in zip(blocks, scales, strict=True):
+    half: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    for block, source, scale in zip(blocks, sources or [None] * len(blocks), scales, strict=True):
         if scale is None or not block.size:
             continue
+        source = block if source is None else source
         scale = np.ascontiguousarray(scale, np.float32)
         # A NaN scale times a NaN weight: x86 keeps the first operand's payload, and the operand order
         # differs between numpy and ONNX Runtime; numpy decides there.
         if block.dtype == np.float16 and not np.isnan(scale).any():
-            half.append((block, scale))
+            half.append((block, source, scale))
         else:
-            np.multiply(block, scale, out=block, dtype=np.float32, casting="unsafe")
+            np.multiply(source, scale, out=block, dtype=np.float32, casting="unsafe")
     if half:
-        _half_fold_in_place(half)
+        _half_fold(half)
 
 
-def _half_fold_in_place(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
-    """One ONNX Runtime run over every (float16 block, float32 scale) pair, each written in place."""
+def _half_fold(triples: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
+    """One ONNX Runtime run over every (float16 block, its float16 source, float32 scale)."""
     with _LOAD:  # built once per count, by whichever chunk builder comes first
-        session = _half_fold(len(pairs))
+        session = _half_fold_session(len(triples))
     binding = session.io_binding()
-    contiguous = [block if block.flags.c_contiguous else np.ascontiguousarray(block) for block, _ in pairs]
-    for i, (block, (_, scale)) in enumerate(zip(contiguous, pairs, strict=True)):
-        # In place: elementwise, so each value is read before it is written. No allocation.
-        binding.bind_cpu_input(f"w{i}", block)
+    outputs = [out if out.flags.c_contiguous else np.empty_like(out) for out, _, _ in triples]
+    for i, (output, (_, source, scale)) in enumerate(zip(outputs, triples, strict=True)):
+        # Elementwise, so in place works too: each value is read before it is written. No allocation.
+        binding.bind_cpu_input(f"w{i}", np.ascontiguousarray(source))
         binding.bind_cpu_input(f"g{i}", scale)
-        binding.bind_output(f"y{i}", "cpu", 0, np.float16, list(block.shape), block.ctypes.data)
+        binding.bind_output(f"y{i}", "cpu", 0, np.float16, list(output.shape), output.ctypes.data)
     session.run_with_iobinding(binding)
-    for block, (out, _) in zip(contiguous, pairs, strict=True):
-        if block is not out:  # a strided view was scaled in a contiguous copy
-            out[...] = block
+    for output, (out, _, _) in zip(outputs, triples, strict=True):
+        if output is not out:  # a strided view was scaled into a contiguous block
+            out[...] = output
 
 
 @functools.cache
-def _half_fold(count: int):
+def _half_fold_session(count: int):
     """A one-thread ONNX Runtime session computing y_i = float16(float32(w_i) * g_i) for `count` pairs
     (g_i float32, broadcast)."""
     import onnx  # only here: stream_concat itself needs neither onnx nor onnxruntime
@@ -229,6 +251,24 @@ def read_rows_into(tensor: Source, cols: int, start: int, out: np.ndarray) -> No
             _preadv_all(fd, rows[first : first + _IOV_MAX], offset + first * row_bytes, tensor)
     finally:
         os.close(fd)
+
+
+def map_rows(tensor: ir.ExternalTensor, cols: int, first: int, count: int) -> np.ndarray:
+    """Rows first:first + count of `tensor` viewed as [., cols]: a read-only view of its data file's pages,
+    mapped with MAP_POPULATE (the cached pages enter the page table in one call instead of a fault per
+    page). The map is unmapped when the last view of it is released."""
+    dtype = _numpy_dtype(tensor)
+    row_bytes = cols * dtype.itemsize
+    offset = (tensor.offset or 0) + first * row_bytes
+    base = offset - offset % mmap.ALLOCATIONGRANULARITY
+    with open(tensor.path, "rb") as file:
+        if os.fstat(file.fileno()).st_size < offset + count * row_bytes:  # a page past the end: SIGBUS
+            raise OSError(f"{tensor.path}: external data ends early (tensor {tensor.name!r})")
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        pages = mmap.mmap(
+            file.fileno(), offset - base + count * row_bytes, flags, mmap.PROT_READ, offset=base
+        )
+    return np.frombuffer(pages, dtype, count * cols, offset - base).reshape(count, cols)
 
 
 _IOV_MAX = 1024  # buffers one preadv call takes (Linux)
@@ -372,17 +412,27 @@ class ConcatTensor(ir.LazyTensor):
         _pwrite_all(fd, [self._checked(chunk, stop - start)], at)
 
     def _side_by_side_at(self, start: int, stop: int, fd: int, at: int) -> None:
-        blocks = self._blocks(start, stop)
+        blocks = self._blocks(start, stop, mapped=self.finish is None)
         if self.finish is not None:
             pieces = [self._checked(self.finish(np.concatenate(blocks, axis=1)), stop - start)]
         else:  # each output row gathers the parts' rows: no interleaved copy in memory
             pieces = [block[row] for row in range(stop - start) for block in blocks]
         _pwrite_all(fd, pieces, at)
 
-    def _blocks(self, start: int, stop: int) -> list[np.ndarray]:
-        """Rows start:stop of each part, scaled (contiguous, so that scaling runs on them in place)."""
-        blocks = [part.read(start, stop, self._work_dtype(), scaled=False) for part in self.parts]
-        scale_blocks(blocks, [part.row_scale(start, stop) for part in self.parts])
+    def _blocks(self, start: int, stop: int, mapped: bool = False) -> list[np.ndarray]:
+        """Rows start:stop of each part, scaled. `mapped`: a part that is whole rows of a data file is
+        mapped (see map_rows) and given as is, or scaled from the map into a new block; other parts are
+        read into contiguous blocks and scaled there in place."""
+        dtype = self._work_dtype()
+        scales = [part.row_scale(start, stop) for part in self.parts]
+        sources = [part.mapped_rows(start, stop, dtype) if mapped else None for part in self.parts]
+        blocks = []
+        for part, source, scale in zip(self.parts, sources, scales, strict=True):
+            if source is None:
+                blocks.append(part.read(start, stop, dtype, scaled=False))
+            else:
+                blocks.append(source if scale is None else np.empty_like(source))
+        scale_blocks(blocks, scales, sources)
         return blocks
 
     def _checked(self, chunk: np.ndarray, rows: int) -> np.ndarray:

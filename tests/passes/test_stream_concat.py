@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import io
 import os
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -178,8 +179,8 @@ def test_a_chunks_blocks_are_scaled_together_as_each_alone(monkeypatch):
 
     rng = np.random.default_rng(3)
     runs = []
-    fold = passes.stream_concat._half_fold_in_place
-    monkeypatch.setattr(passes.stream_concat, "_half_fold_in_place", lambda pairs: runs.append(fold(pairs)))
+    fold = passes.stream_concat._half_fold
+    monkeypatch.setattr(passes.stream_concat, "_half_fold", lambda triples: runs.append(fold(triples)))
     wide = rng.standard_normal((5, 40)).astype(np.float16)
     blocks = [
         rng.standard_normal((5, 7)).astype(np.float16),
@@ -218,8 +219,9 @@ def _copy_calls(monkeypatch) -> list[int]:
 @pytest.mark.parametrize("chunk_bytes", [None, 50])
 def test_interleaved_plain_rows_go_through_memory_in_cache_sized_chunks(tmp_path, monkeypatch, chunk_bytes):
     """ "last" gate/up: every output row is the parts' rows side by side. Plain external rows (one of them a
-    row range of a taller matrix, at odd offsets and odd row lengths) are read into per-part blocks and
-    gathered by pwritev, into a file between other bytes, with no kernel copy (slower per segment)."""
+    row range of a taller matrix, at odd offsets and odd row lengths) are mapped, not read into buffers,
+    and gathered by pwritev, into a file between other bytes, with no kernel copy (slower per segment); no
+    map outlives the write."""
     rng = np.random.default_rng(11)
     mats = [rng.standard_normal((9, c)).astype(np.float16) for c in (5, 3)]
     tall = rng.standard_normal((13, 7)).astype(np.float16)
@@ -231,8 +233,22 @@ def test_interleaved_plain_rows_go_through_memory_in_cache_sized_chunks(tmp_path
     expected = np.concatenate([mats[0], tall[3:12], mats[1]], axis=1)
     tensor = ConcatTensor(parts, 1, ir.DataType.FLOAT16, expected.shape, "gate", chunk_bytes=chunk_bytes)
     calls = _copy_calls(monkeypatch)
+    reads = _preadv_calls(monkeypatch)
     assert _written(tensor, tmp_path) == expected.tobytes()
-    assert calls == []
+    assert calls == [] and reads == []
+    assert str(tmp_path) not in Path("/proc/self/maps").read_text()
+
+
+def _preadv_calls(monkeypatch) -> list[int]:
+    calls: list[int] = []
+    preadv = os.preadv
+
+    def counted(fd, buffers, offset):
+        calls.append(offset)
+        return preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", counted)
+    return calls
 
 
 def test_plain_parts_one_after_the_other_are_copied_by_the_kernel_in_pieces(tmp_path, monkeypatch):
@@ -247,8 +263,9 @@ def test_plain_parts_one_after_the_other_are_copied_by_the_kernel_in_pieces(tmp_
     assert sum(calls) == 12 * 6 * 4 and max(calls) == 64
 
 
-def test_scaled_rows_are_scaled_in_their_blocks(tmp_path):
-    """ "fold" on some parts only: each block is scaled in place before the rows are gathered."""
+def test_scaled_rows_are_scaled_from_their_maps(tmp_path, monkeypatch):
+    """ "fold" on some parts only: a scaled part is scaled from its mapped rows into a block (no read
+    into a buffer first), the other is gathered straight from its map."""
     rng = np.random.default_rng(12)
     mats = [rng.standard_normal((6, c)).astype(np.float16) for c in (4, 5)]
     scale = rng.uniform(0.5, 1.5, 6).astype(np.float32)
@@ -256,7 +273,9 @@ def test_scaled_rows_are_scaled_in_their_blocks(tmp_path):
     parts = [Part(_external(m, tmp_path, f"m{i}"), *m.shape, scale=scales[i]) for i, m in enumerate(mats)]
     expected = np.concatenate([_fold(m, s, 0) for m, s in zip(mats, scales, strict=True)], axis=1)
     tensor = ConcatTensor(parts, 1, ir.DataType.FLOAT16, expected.shape, "gate", chunk_bytes=40)
+    reads = _preadv_calls(monkeypatch)
     assert _written(tensor, tmp_path) == expected.tobytes()
+    assert reads == []
 
 
 @pytest.mark.parametrize("axis", [0, 1])
