@@ -520,7 +520,7 @@ def write_data(
             if run.file not in shards:
                 shards[run.file] = os.open(run.file, os.O_RDONLY)
             if run.convert is None:
-                copy_range(shards[run.file], run.start, fd, run.offset, run.length)
+                copy_range(shards[run.file], run.start, fd, run.offset, run.length, name=str(run.file))
             elif (written := _convert(shards[run.file], run.convert, fd, run.offset, dtype)) != run.length:
                 raise RuntimeError(
                     f"internal error: wrote {written} bytes at {run.offset}, expected {run.length}"

@@ -519,7 +519,7 @@ def _copy_file(path: str, offset: int, fd: int, at: int, length: int) -> None:
     source = os.open(path, os.O_RDONLY)
     try:
         with _WRITING:
-            copy_range(source, offset, fd, at, length)
+            copy_range(source, offset, fd, at, length, name=path)
     finally:
         os.close(source)
 
