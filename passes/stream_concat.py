@@ -17,11 +17,10 @@ other writes:
   file's cached pages in one call, no copy and no page faults; unmapped as soon as the chunk is written),
   scaled from there into a block when "fold" scales them, and the output rows gathered by one pwritev
   straight from the mapped rows or the blocks. So an unscaled row is copied once, by the write, as `cp`
-  copies it (reading the rows into a buffer first was 1.5x slower here);
+  copies it (reading the rows into a buffer first was 1.5x slower here; one copy_file_range per row
+  segment was slower at every segment size from 4 to 56 KB; docs/scale.md);
 - anything else (transposed or unpacked parts, in-memory tensors, row-stacked scaled parts): each part's
   rows read with `os.preadv` into a contiguous block, scaled there in place.
-  (One copy_file_range per interleaved row segment was measured too: slower, and more kernel time, than
-  this with two threads, at every segment size from 4 to 56 KB; docs/scale.md.)
 
 Into a stream (an in-memory buffer), chunks are built and written in order. Neither a source nor the
 fused matrix is ever mapped (beyond a chunk's rows) or held whole, so memory does not grow with the group
