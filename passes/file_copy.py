@@ -14,13 +14,13 @@ def copy_range(source: int, offset: int, fd: int, at: int, length: int, name: st
     """Copy `length` bytes at `offset` of `source` to `at` of `fd`: in the kernel (copy_file_range), else
     (another file system, an old kernel) through a small buffer. A source that ends early is an OSError
     naming it (`name`: its path)."""
-    done = 0
+    done, source_name = 0, name or f"fd {source}"
     if hasattr(os, "copy_file_range"):
         try:
             while done < length:
                 count = os.copy_file_range(source, fd, length - done, offset + done, at + done)
                 if count == 0:
-                    raise _ends_early(name or f"fd {source}", offset + done)
+                    raise _ends_early(source_name, offset + done)
                 done += count
         except OSError as error:
             if error.errno not in _NO_KERNEL_COPY:
@@ -28,7 +28,7 @@ def copy_range(source: int, offset: int, fd: int, at: int, length: int, name: st
     while done < length:
         block = os.pread(source, min(FALLBACK_CHUNK, length - done), offset + done)
         if not block:
-            raise _ends_early(name or f"fd {source}", offset + done)
+            raise _ends_early(source_name, offset + done)
         view = memoryview(block)
         while view:
             written = os.pwrite(fd, view, at + done)

@@ -252,18 +252,20 @@ def read_rows_into(tensor: Source, cols: int, start: int, out: np.ndarray) -> No
         os.close(fd)
 
 
-def map_rows(tensor: ir.ExternalTensor, cols: int, first: int, count: int) -> np.ndarray:
+def map_rows(
+    tensor: ir.ExternalTensor, cols: int, first: int, count: int, populate: bool = True
+) -> np.ndarray:
     """Rows first:first + count of `tensor` viewed as [., cols]: a read-only view of its data file's pages,
-    mapped with MAP_POPULATE (the cached pages enter the page table in one call instead of a fault per
-    page). The map is unmapped when the last view of it is released."""
+    unmapped when the last view of it is released. `populate`: MAP_POPULATE, the cached pages enter the
+    page table in one call instead of a fault per page (for rows that are read whole)."""
     dtype = _numpy_dtype(tensor)
     row_bytes = cols * dtype.itemsize
     offset = (tensor.offset or 0) + first * row_bytes
     base = offset - offset % mmap.ALLOCATIONGRANULARITY
     with open(tensor.path, "rb") as file:
-        if os.fstat(file.fileno()).st_size < offset + count * row_bytes:  # a page past the end: SIGBUS
+        if os.fstat(file.fileno()).st_size < offset + count * row_bytes:  # mmap would refuse: ValueError
             raise OSError(f"{tensor.path}: external data ends early (tensor {tensor.name!r})")
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
         pages = mmap.mmap(
             file.fileno(), offset - base + count * row_bytes, flags, mmap.PROT_READ, offset=base
         )
@@ -276,26 +278,15 @@ _MAPPED_ROWS_BYTES = 16 << 20  # file pages read_columns keeps mapped at a time
 
 def read_columns(tensor: Source, rows: int, cols: int, start: int, stop: int) -> np.ndarray:
     """Columns start:stop of `tensor` viewed as [rows, cols], as a new [rows, stop - start] array. External
-    data is mapped a band of rows at a time and the band's pages are dropped right after (madvise), so
-    memory stays near the result whatever the matrix size."""
+    data is mapped a band of rows at a time (map_rows, not populated: only the columns' pages are read),
+    each band unmapped before the next, so memory stays near the result whatever the matrix size."""
     if not isinstance(tensor, ir.ExternalTensor):
         return np.array(_array(tensor).reshape(rows, cols)[:, start:stop])
-    dtype = _numpy_dtype(tensor)
-    out = np.empty((rows, stop - start), dtype)
-    row_bytes = cols * dtype.itemsize
-    band = max(1, _MAPPED_ROWS_BYTES // row_bytes)
-    with open(tensor.path, "rb") as file:
-        for first in range(0, rows, band):
-            count = min(band, rows - first)
-            offset = (tensor.offset or 0) + first * row_bytes
-            base = offset - offset % mmap.ALLOCATIONGRANULARITY
-            with mmap.mmap(
-                file.fileno(), offset - base + count * row_bytes, offset=base, access=mmap.ACCESS_READ
-            ) as mm:
-                view = np.frombuffer(mm, dtype, count * cols, offset - base).reshape(count, cols)
-                out[first : first + count] = view[:, start:stop]
-                del view  # the map cannot close while a view of it lives
-                mm.madvise(mmap.MADV_DONTNEED)
+    out = np.empty((rows, stop - start), _numpy_dtype(tensor))
+    band = max(1, _MAPPED_ROWS_BYTES // (cols * out.itemsize))
+    for first in range(0, rows, band):
+        count = min(band, rows - first)
+        out[first : first + count] = map_rows(tensor, cols, first, count, populate=False)[:, start:stop]
     return out
 
 

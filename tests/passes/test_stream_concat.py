@@ -100,6 +100,18 @@ def test_a_transposed_part_in_a_mixed_group(tmp_path):
     assert _written(tensor) == np.concatenate([stored.T, plain], axis=1).tobytes()
 
 
+def test_a_transposed_part_cut_short_is_an_error(tmp_path):
+    """Columns are read through a map of a band of rows: a data file too short for the band says so (Python's
+    mmap alone raises a ValueError there, which the tools would report as an internal error)."""
+    stored = np.arange(20, dtype=np.float32).reshape(5, 4)
+    parts = [Part(_external(stored, tmp_path, "t"), 5, 4, transpose=True)]
+    path = tmp_path / "t.data"
+    path.write_bytes(path.read_bytes()[:-8])
+    tensor = ConcatTensor(parts, 1, ir.DataType.FLOAT, (4, 5), "fused", chunk_bytes=16)
+    with pytest.raises(OSError, match=r"t\.data: external data ends early"):
+        _written(tensor, tmp_path)
+
+
 def test_bfloat16_fold_rounds_once_to_nearest_even(tmp_path):
     matrix = np.array([[1.0, 3.0], [5.0, 7.0]], np.float32).astype(ml_dtypes.bfloat16)
     scale = np.array([1.00390625, 1 / 3], np.float32)
