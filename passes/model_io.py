@@ -12,6 +12,7 @@ from google.protobuf.message import DecodeError
 
 from passes.errors import UserError
 from passes.staging import commit_output, staged_output  # noqa: F401  (re-exported)
+from passes.stream_concat import write_tensors
 
 # Above this many initializer bytes a model must be saved with external data (protobuf's 2 GB limit).
 EXTERNAL_DATA_THRESHOLD = 1_800_000_000
@@ -80,7 +81,8 @@ def weight_bytes(model: ir.Model) -> int:
 
 
 def save_model(model: ir.Model, path: Path, external: bool) -> None:
-    """Save (external data as `<name>.data` beside it when `external`); tensors are written one at a time.
+    """Save (external data as `<name>.data` beside it when `external`); the tensors are written all at once
+    (stream_concat.write_tensors).
 
     The data file is written here rather than by onnx-ir's writer, which writes it in a temporary folder
     and removes that folder: on a file system that discards freed blocks synchronously (ext4 mounted with
@@ -95,15 +97,19 @@ def save_model(model: ir.Model, path: Path, external: bool) -> None:
         # onnx-ir stages the data file itself when a tensor reads from the file it replaces
         ir.save(model, path, external_data=data.name if external else None)
         return
+    pairs = zip(values, tensors, strict=True)
+    written = [(value, tensor) for value, tensor in pairs if _external(tensor)]
     try:
         with open(data, "wb") as file:
-            for value, tensor in zip(values, tensors, strict=True):
-                if tensor is None:
-                    continue
-                if tensor.nbytes > INLINE_BYTES:
-                    value.const_value = _written(tensor, file, data)
-                elif isinstance(tensor, ir.ExternalTensor):
-                    value.const_value = ir.Tensor(tensor.numpy(), dtype=tensor.dtype, name=tensor.name)
+            offsets = write_tensors(file, [tensor for _, tensor in written])  # all at once, interleaved
+        for (value, tensor), offset in zip(written, offsets, strict=True):
+            value.const_value = ir.ExternalTensor(
+                data.name, offset, tensor.nbytes, tensor.dtype, shape=tensor.shape, name=tensor.name,
+                base_dir=data.parent,
+            )  # fmt: skip
+        for value, tensor in zip(values, tensors, strict=True):
+            if isinstance(tensor, ir.ExternalTensor) and tensor.nbytes <= INLINE_BYTES:
+                value.const_value = ir.Tensor(tensor.numpy(), dtype=tensor.dtype, name=tensor.name)
         ir.save(model, path)  # the tensors are external now: the proto keeps their location and offset
     except BaseException:
         data.unlink(missing_ok=True)  # no partial data file (the proto is written last)
@@ -113,16 +119,9 @@ def save_model(model: ir.Model, path: Path, external: bool) -> None:
             value.const_value = tensor
 
 
-def _written(tensor: ir.TensorProtocol, file, data: Path) -> ir.ExternalTensor:
-    """Append `tensor`'s bytes to `file` (the data file `data`); the tensor that reads them back."""
-    offset = file.tell()
-    tensor.tofile(file)  # a ConcatTensor streams itself, an ExternalTensor is a kernel copy
-    length = file.tell() - offset
-    if length != tensor.nbytes:
-        raise ValueError(f"{tensor.name}: wrote {length} bytes for a tensor of {tensor.nbytes}")
-    return ir.ExternalTensor(
-        data.name, offset, length, tensor.dtype, shape=tensor.shape, name=tensor.name, base_dir=data.parent
-    )
+def _external(tensor: ir.TensorProtocol | None) -> bool:
+    """Whether a saved initializer goes to the data file (small ones stay in the proto)."""
+    return tensor is not None and tensor.nbytes > INLINE_BYTES
 
 
 def _reads_from(tensor: ir.TensorProtocol | None, data: Path) -> bool:

@@ -37,12 +37,14 @@ import collections
 import concurrent.futures
 import ctypes
 import functools
+import heapq
 import io
+import itertools
 import mmap
 import os
 import stat
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,6 +54,14 @@ from passes.file_copy import copy_range
 
 CHUNK_BYTES = 1 << 20  # a built chunk: small enough to stay in a core's cache while read, scaled, written
 Source = ir.TensorProtocol | np.ndarray  # a model's tensor (external data or in memory), or an array
+
+
+@dataclass(frozen=True)
+class Write:
+    """A job writing its own `nbytes` of an output file: runs on any thread, in any order."""
+
+    nbytes: int
+    run: Callable[[], None]
 
 
 @dataclass(frozen=True)
@@ -362,7 +372,7 @@ class ConcatTensor(ir.LazyTensor):
         for start, stop in self._steps(self.parts[0].shape[0], self._width()):
             yield self._finished(np.concatenate(self._blocks(start, stop), axis=1))
 
-    def writes(self, fd: int, base: int) -> Iterator[Callable[[], None]]:
+    def writes(self, fd: int, base: int) -> Iterator[Write]:
         """The result as jobs, in order, that each write their own byte range of `fd` (from `base`) and can
         run in any order: kernel copies of file ranges, or chunks built and written."""
         row_bytes = self._row_bytes()
@@ -372,50 +382,52 @@ class ConcatTensor(ir.LazyTensor):
             at = base
             for part in self.parts:
                 if self.finish is None and (file_range := part.file_range()) is not None:
-                    path, offset, length = file_range
-                    for done in range(0, length, COPY_BYTES):  # several jobs, so both threads copy
-                        count = min(COPY_BYTES, length - done)
-                        yield functools.partial(_copy_file, path, offset + done, fd, at + done, count)
+                    yield from _copies(*file_range, fd, at)
                 else:
                     for start, stop in self._steps(part.shape[0], part.shape[1]):
                         where = at + start * row_bytes
-                        yield functools.partial(self._stacked_at, part, start, stop, fd, where)
+                        job = functools.partial(self._stacked_at, part, start, stop, fd, where)
+                        yield Write((stop - start) * row_bytes, job)
                 at += part.shape[0] * row_bytes
             return
-        for start, stop in self._steps(self.parts[0].shape[0], self._width()):
-            yield functools.partial(self._side_by_side_at, start, stop, fd, base + start * row_bytes)
+        band = MAP_BYTES if self.finish is None else None  # rows mapped per job, written chunk by chunk
+        for start, stop in self._steps(self.parts[0].shape[0], self._width(), band):
+            job = functools.partial(self._side_by_side_at, start, stop, fd, base + start * row_bytes)
+            yield Write((stop - start) * row_bytes, job)
 
     def tofile(self, file) -> None:
-        fd = _regular_fd(file)
-        if fd is None:  # a stream (an in-memory buffer, a pipe): in order
+        if _regular_fd(file) is None:  # a stream (an in-memory buffer, a pipe): in order
             for chunk in self.chunks():
                 _write(file, chunk)
-            return
-        file.flush()
-        base, length = file.tell(), self._row_bytes() * self._rows()
-        _allocate(fd, base, length)
-        _run(self.writes(fd, base))
-        file.seek(base + length)
+        else:
+            write_tensors(file, [self])
 
     def _stacked_at(self, part: Part, start: int, stop: int, fd: int, at: int) -> None:
         chunk = self._finished(part.read(start, stop, self._work_dtype()))
         _pwrite_all(fd, [self._checked(chunk, stop - start)], at)
 
     def _side_by_side_at(self, start: int, stop: int, fd: int, at: int) -> None:
-        blocks = self._blocks(start, stop, mapped=self.finish is None)
         if self.finish is not None:
-            pieces = [self._checked(self.finish(np.concatenate(blocks, axis=1)), stop - start)]
-        else:  # each output row gathers the parts' rows: no interleaved copy in memory
-            pieces = [block[row] for row in range(stop - start) for block in blocks]
-        _pwrite_all(fd, pieces, at)
+            chunk = self.finish(np.concatenate(self._blocks(start, stop), axis=1))
+            _pwrite_all(fd, [self._checked(chunk, stop - start)], at)
+            return
+        # Each part's rows of the band mapped once (None: read chunk by chunk), then a chunk at a time:
+        # scaled from the maps, each output row gathered by the write (no interleaved copy in memory).
+        maps = [part.mapped_rows(start, stop, self._work_dtype()) for part in self.parts]
+        for first, last in self._steps(stop - start, self._width()):
+            sources = [None if rows is None else rows[first:last] for rows in maps]
+            blocks = self._blocks(start + first, start + last, sources)
+            pieces = [block[row] for row in range(last - first) for block in blocks]
+            _pwrite_all(fd, pieces, at + first * self._row_bytes())
 
-    def _blocks(self, start: int, stop: int, mapped: bool = False) -> list[np.ndarray]:
-        """Rows start:stop of each part, scaled. `mapped`: a part that is whole rows of a data file is
-        mapped (see map_rows) and given as is, or scaled from the map into a new block; other parts are
-        read into contiguous blocks and scaled there in place."""
+    def _blocks(
+        self, start: int, stop: int, sources: list[np.ndarray | None] | None = None
+    ) -> list[np.ndarray]:
+        """Rows start:stop of each part, scaled: from its rows in `sources` when given there (mapped rows:
+        as they are, or scaled into a new block), else read into a contiguous block and scaled in place."""
         dtype = self._work_dtype()
         scales = [part.row_scale(start, stop) for part in self.parts]
-        sources = [part.mapped_rows(start, stop, dtype) if mapped else None for part in self.parts]
+        sources = sources or [None] * len(self.parts)
         blocks = []
         for part, source, scale in zip(self.parts, sources, scales, strict=True):
             if source is None:
@@ -445,8 +457,10 @@ class ConcatTensor(ir.LazyTensor):
     def _width(self) -> int:
         return sum(p.shape[1] for p in self.parts)
 
-    def _steps(self, rows: int, cols: int) -> Iterator[tuple[int, int]]:
+    def _steps(self, rows: int, cols: int, step_bytes: int | None = None) -> Iterator[tuple[int, int]]:
+        """Row ranges of about `step_bytes` (default: the chunk size) covering `rows` rows of `cols`."""
         chunk_bytes = self.chunk_bytes if self.chunk_bytes is not None else CHUNK_BYTES
+        chunk_bytes = step_bytes or chunk_bytes
         step = max(1, chunk_bytes // max(1, cols * self._work_dtype().itemsize))
         for start in range(0, rows, step):
             yield start, min(start + step, rows)
@@ -465,15 +479,93 @@ class ConcatTensor(ir.LazyTensor):
 
 _WORKERS = 2  # threads running write jobs (preadv, ONNX Runtime, numpy and the kernel copies release the GIL)
 COPY_BYTES = 8 << 20  # bytes per kernel-copy job
+MAP_BYTES = 8 << 20  # output bytes per interleaved-rows job: its rows of each part mapped at once
 
 
-def _run(jobs: Iterator[Callable[[], None]]) -> None:
+def write_tensors(file, tensors: Sequence[ir.TensorProtocol]) -> list[int]:
+    """Write the tensors' bytes one after the other from the file's position; the offset of each.
+
+    Into a regular file, all at once: the whole range is allocated (fallocate), and the jobs of every tensor
+    (a ConcatTensor's chunks and kernel copies, an external tensor's kernel copies in COPY_BYTES pieces,
+    any other tensor whole) run on two threads, interleaved so that each tensor advances in proportion to
+    its size. So one thread copies plain weights (down, the layers not fused) in the kernel while the
+    other scales the next gate/up rows, where written tensor after tensor the scaling waited for the
+    copies and the copies for the scaling. Into a stream: tensor after tensor, with `tofile`."""
+    offsets = list(itertools.accumulate((t.nbytes for t in tensors), initial=file.tell()))
+    fd = _regular_fd(file)
+    if fd is None:
+        for tensor, offset in zip(tensors, offsets, strict=False):
+            tensor.tofile(file)
+            _check_length(tensor, file.tell() - offset)
+        return offsets[:-1]
+    file.flush()
+    _allocate(fd, offsets[0], offsets[-1] - offsets[0])
+    streams = [_tensor_writes(tensor, fd, at) for tensor, at in zip(tensors, offsets, strict=False)]
+    _run(_interleaved(streams, [tensor.nbytes for tensor in tensors]))
+    file.seek(offsets[-1])
+    return offsets[:-1]
+
+
+def _tensor_writes(tensor: ir.TensorProtocol, fd: int, at: int) -> Iterator[Write]:
+    if isinstance(tensor, ConcatTensor):
+        yield from tensor.writes(fd, at)
+    elif isinstance(tensor, ir.ExternalTensor):
+        yield from _copies(str(tensor.path), tensor.offset or 0, tensor.nbytes, fd, at)
+    elif tensor.nbytes:
+        yield Write(tensor.nbytes, functools.partial(_write_whole, tensor, fd, at))
+
+
+def _copies(path: str, offset: int, length: int, fd: int, at: int) -> Iterator[Write]:
+    """Kernel copies of a file range, COPY_BYTES a job (several jobs, so that both threads copy)."""
+    for done in range(0, length, COPY_BYTES):
+        count = min(COPY_BYTES, length - done)
+        yield Write(count, functools.partial(_copy_file, path, offset + done, fd, at + done, count))
+
+
+def _interleaved(streams: list[Iterator[Write]], sizes: list[int]) -> Iterator[Write]:
+    """The jobs of all streams, next from the stream least far along (bytes given over its size)."""
+    heap = [(0.0, i) for i, size in enumerate(sizes) if size]
+    done = [0] * len(sizes)
+    while heap:
+        _, i = heapq.heappop(heap)
+        job = next(streams[i], None)
+        if job is not None:
+            yield job
+            done[i] += job.nbytes
+            heapq.heappush(heap, (done[i] / sizes[i], i))
+
+
+class _WriterAt:
+    """A file-like `write` for `tofile`: pwrite from `at` of `fd` onwards (one per job, no shared seek)."""
+
+    def __init__(self, fd: int, at: int) -> None:
+        self.fd, self.at = fd, at
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        _pwrite_all(self.fd, [np.frombuffer(view, np.uint8)], self.at)
+        self.at += len(view)
+        return len(view)
+
+
+def _write_whole(tensor: ir.TensorProtocol, fd: int, at: int) -> None:
+    writer = _WriterAt(fd, at)
+    tensor.tofile(writer)
+    _check_length(tensor, writer.at - at)
+
+
+def _check_length(tensor: ir.TensorProtocol, length: int) -> None:
+    if length != tensor.nbytes:
+        raise ValueError(f"{tensor.name}: wrote {length} bytes for a tensor of {tensor.nbytes}")
+
+
+def _run(jobs: Iterator[Write]) -> None:
     """Run `jobs` on _WORKERS threads, a few queued at a time (each job holds only its own chunk)."""
     pending: collections.deque = collections.deque()
     with concurrent.futures.ThreadPoolExecutor(_WORKERS) as pool:
         try:
             for job in jobs:
-                pending.append(pool.submit(job))
+                pending.append(pool.submit(job.run))
                 if len(pending) > 2 * _WORKERS:
                     pending.popleft().result()
             while pending:

@@ -305,8 +305,9 @@ def test_weights_through_transpose_and_cast(tmp_path):
     assert fx.logits_metrics(fused, ref)[0] > 0.3
 
 
-def test_quantizing_keeps_one_weight_in_memory_at_a_time(tmp_path):
-    """16 external fp32 weights of 1 MiB: peak Python-side allocation stays near one weight."""
+def test_quantizing_keeps_a_weight_per_writing_thread_in_memory(tmp_path):
+    """16 external fp32 weights of 1 MiB: peak Python-side allocation stays near one weight for each of the
+    two threads that quantize and write them (stream_concat.write_tensors), whatever the count."""
     n, layers = 512, 16
     rng = np.random.default_rng(0)
     inits, nodes, prev = [], [], "x"
@@ -347,7 +348,7 @@ def test_quantizing_keeps_one_weight_in_memory_at_a_time(tmp_path):
     one_weight = n * n * 4
     assert report.weights == layers - 1  # the last one feeds the output: the lm_head
     fx.log(f"FP8 memory: peak {peak / 2**20:.2f} MiB for {layers} weights of {one_weight / 2**20:.0f} MiB")
-    assert peak < 4 * one_weight  # measured ~2.3 MiB; all weights at once would be 16 MiB
+    assert peak < 8 * one_weight  # measured ~6.3 MiB (2.3 with one thread); all at once would be 16 MiB
     q = onnx.load(str(tmp_path / "q.onnx"))
     w0 = numpy_helper.to_array(next(t for t in q.graph.initializer if t.name == "w0_fp8"))
     assert w0.dtype == ml_dtypes.float8_e4m3fn and w0.shape == (n, n)

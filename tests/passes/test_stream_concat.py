@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import io
+import itertools
 import os
 from pathlib import Path
 
@@ -228,12 +229,17 @@ def _copy_calls(monkeypatch) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("chunk_bytes", [None, 50])
-def test_interleaved_plain_rows_go_through_memory_in_cache_sized_chunks(tmp_path, monkeypatch, chunk_bytes):
+@pytest.mark.parametrize(("chunk_bytes", "map_bytes"), [(None, None), (50, None), (50, 130)])
+def test_interleaved_plain_rows_go_through_memory_in_cache_sized_chunks(
+    tmp_path, monkeypatch, chunk_bytes, map_bytes
+):
     """ "last" gate/up: every output row is the parts' rows side by side. Plain external rows (one of them a
-    row range of a taller matrix, at odd offsets and odd row lengths) are mapped, not read into buffers,
-    and gathered by pwritev, into a file between other bytes, with no kernel copy (slower per segment); no
-    map outlives the write."""
+    row range of a taller matrix, at odd offsets and odd row lengths) are mapped a band of rows at a time
+    (MAP_BYTES; 130: several bands of several chunks), not read into buffers, and gathered by pwritev,
+    into a file between other bytes, with no kernel copy (slower per segment); no map outlives the
+    write."""
+    if map_bytes is not None:
+        monkeypatch.setattr(stream_concat, "MAP_BYTES", map_bytes)
     rng = np.random.default_rng(11)
     mats = [rng.standard_normal((9, c)).astype(np.float16) for c in (5, 3)]
     tall = rng.standard_normal((13, 7)).astype(np.float16)
@@ -275,9 +281,12 @@ def test_plain_parts_one_after_the_other_are_copied_by_the_kernel_in_pieces(tmp_
     assert sum(calls) == 12 * 6 * 4 and max(calls) == 64
 
 
-def test_scaled_rows_are_scaled_from_their_maps(tmp_path, monkeypatch):
+@pytest.mark.parametrize("map_bytes", [None, 60])
+def test_scaled_rows_are_scaled_from_their_maps(tmp_path, monkeypatch, map_bytes):
     """ "fold" on some parts only: a scaled part is scaled from its mapped rows into a block (no read
-    into a buffer first), the other is gathered straight from its map."""
+    into a buffer first), the other is gathered straight from its map; in one band or in several."""
+    if map_bytes is not None:
+        monkeypatch.setattr(stream_concat, "MAP_BYTES", map_bytes)
     rng = np.random.default_rng(12)
     mats = [rng.standard_normal((6, c)).astype(np.float16) for c in (4, 5)]
     scale = rng.uniform(0.5, 1.5, 6).astype(np.float32)
@@ -350,3 +359,76 @@ def test_an_empty_concatenation_writes_nothing(tmp_path, axis):
     parts = [Part(_external(m, tmp_path, f"m{i}"), *m.shape) for i, m in enumerate(mats)]
     shape = (0, 8) if axis == 1 else (0, 4)
     assert _written(ConcatTensor(parts, axis, ir.DataType.FLOAT, shape, "w"), tmp_path) == b""
+
+
+def _tensors(tmp_path) -> tuple[list[ir.TensorProtocol], list[bytes]]:
+    """One of each kind a saved model holds: a fused ("fold") gate, a plain external weight, an in-memory
+    tensor and a lazy one (as FP8 weights are), with the bytes each must write."""
+    rng = np.random.default_rng(17)
+    mats = [rng.standard_normal((40, c)).astype(np.float16) for c in (6, 10)]
+    scale = rng.uniform(0.5, 1.5, 40).astype(np.float32)
+    gate = ConcatTensor(
+        [Part(_external(m, tmp_path, f"g{i}"), *m.shape, scale=scale) for i, m in enumerate(mats)],
+        1, ir.DataType.FLOAT16, (40, 16), "gate", chunk_bytes=64,
+    )  # fmt: skip
+    plain = rng.standard_normal((50, 8)).astype(np.float32)
+    small = rng.standard_normal(5).astype(np.float32)
+    lazy = rng.standard_normal((3, 4)).astype(np.float32)
+    tensors = [
+        gate,
+        _external(plain, tmp_path, "plain"),
+        ir.tensor(small, name="small"),
+        ir.LazyTensor(lambda: ir.tensor(lazy), dtype=ir.DataType.FLOAT, shape=ir.Shape([3, 4]), name="lazy"),
+    ]
+    gate_bytes = np.concatenate([_fold(m, scale, 0) for m in mats], axis=1).tobytes()
+    return tensors, [gate_bytes, plain.tobytes(), small.tobytes(), lazy.tobytes()]
+
+
+@pytest.mark.parametrize("sink", ["stream", "file"])
+def test_write_tensors_writes_each_tensor_at_its_offset(tmp_path, monkeypatch, sink):
+    """A model's data file: the tensors one after the other, from where the file stands, at the offsets
+    returned, whatever their kind (jobs of all of them on two threads into a file; in order into a
+    stream)."""
+    monkeypatch.setattr(stream_concat, "COPY_BYTES", 96)
+    tensors, expected = _tensors(tmp_path)
+    if sink == "stream":
+        file = io.BytesIO(b"head")
+        file.seek(4)
+        offsets = stream_concat.write_tensors(file, tensors)
+        data = file.getvalue()
+    else:
+        with open(tmp_path / "out.data", "wb") as file:
+            file.write(b"head")
+            offsets = stream_concat.write_tensors(file, tensors)
+            assert file.tell() == 4 + sum(map(len, expected))
+        data = (tmp_path / "out.data").read_bytes()
+    assert data == b"head" + b"".join(expected)
+    assert offsets == [4 + sum(map(len, expected[:i])) for i in range(len(expected))]
+
+
+def test_write_tensors_interleaves_the_tensors_in_proportion(tmp_path, monkeypatch):
+    """The writes of a fused gate (chunks scaled in memory) and of a plain weight (kernel copies) alternate,
+    each tensor advancing in proportion to its size, so one thread copies while the other scales."""
+    monkeypatch.setattr(stream_concat, "COPY_BYTES", 96)
+    monkeypatch.setattr(stream_concat, "MAP_BYTES", 64)
+    monkeypatch.setattr(stream_concat, "_WORKERS", 1)  # the jobs' own order
+    tensors, expected = _tensors(tmp_path)
+    writes: list[str] = []
+    pwritev, copy = os.pwritev, os.copy_file_range
+
+    def written(fd, buffers, offset):
+        writes.append("gate")
+        return pwritev(fd, buffers, offset)
+
+    def copied(*args):
+        writes.append("plain")
+        return copy(*args)
+
+    monkeypatch.setattr(os, "pwritev", written)
+    monkeypatch.setattr(os, "copy_file_range", copied)
+    with open(tmp_path / "out.data", "wb") as file:
+        stream_concat.write_tensors(file, tensors[:2])
+    assert (tmp_path / "out.data").read_bytes() == b"".join(expected[:2])
+    # 1280 bytes of gate in jobs of 64 (two rows): 20 writes; 1600 of plain in copies of 96: 17
+    runs = [len(list(group)) for _, group in itertools.groupby(writes)]
+    assert writes.count("plain") == 17 and max(runs) <= 3, writes
