@@ -5,25 +5,28 @@ A `ConcatTensor` is the concatenation of `Part`s along one axis of the stored ma
 - axis 0: the parts one after the other (rows of the first part, then of the second, ...);
 - axis 1: each output row is the parts' rows side by side (rows interleave the parts).
 
-When the model is saved into a regular file, `tofile` allocates the tensor's range (fallocate) and runs
-jobs on two threads, each writing its own byte range at its offset (pwrite), one write at a time (the
-kernel serializes writes to a file anyway; see _WRITING), so that one thread builds a chunk while the
-other writes:
+A model's tensors are written into its data file by `write_tensors`, all at once: the whole range is
+allocated (fallocate), and the jobs of every tensor, each writing its own byte range at its offset
+(pwrite), run on two threads, interleaved so that each tensor advances in proportion to its size: one
+thread copies plain weights in the kernel while the other scales gate/up rows. One write at a time (the
+kernel serializes writes to a file anyway; see _WRITING), so a thread builds a chunk while the other
+writes:
 
-- plain parts (whole rows, unscaled) of an axis-0 concatenation: kernel copies, file to file
-  (copy_file_range), in COPY_BYTES pieces;
-- interleaved gate/up rows: chunks of about CHUNK_BYTES (small enough to stay in a core's cache). Each
-  part's rows of a chunk are mapped from its data file with MAP_POPULATE (page table entries for the
-  file's cached pages in one call, no copy and no page faults; unmapped as soon as the chunk is written),
-  scaled from there into a block when "fold" scales them, and the output rows gathered by one pwritev
-  straight from the mapped rows or the blocks. So an unscaled row is copied once, by the write, as `cp`
-  copies it (reading the rows into a buffer first was 1.5x slower here; one copy_file_range per row
-  segment was slower at every segment size from 4 to 56 KB; docs/scale.md);
+- plain parts (whole rows, unscaled) of an axis-0 concatenation, and unchanged external tensors: kernel
+  copies, file to file (copy_file_range), in COPY_BYTES pieces;
+- interleaved gate/up rows: a job per band of about MAP_BYTES of output rows. Each part's rows of the
+  band are mapped from its data file with MAP_POPULATE (page table entries for the file's cached pages in
+  one call, no copy and no page faults; unmapped when the band is written), then, chunk by chunk (about
+  CHUNK_BYTES, small enough to stay in a core's cache), scaled from the map into a block when "fold"
+  scales them, and the output rows gathered by one pwritev straight from the mapped rows or the blocks.
+  So an unscaled row is copied once, by the write, as `cp` copies it (reading the rows into a buffer
+  first was 1.5x slower here; one copy_file_range per row segment was slower at every segment size from
+  4 to 56 KB; a map per chunk instead of per band cost three times the mapping CPU; docs/scale.md);
 - anything else (transposed or unpacked parts, in-memory tensors, row-stacked scaled parts): each part's
   rows read with `os.preadv` into a contiguous block, scaled there in place.
 
 Into a stream (an in-memory buffer), chunks are built and written in order. Neither a source nor the
-fused matrix is ever mapped (beyond a chunk's rows) or held whole, so memory does not grow with the group
+fused matrix is ever mapped (beyond a band's rows) or held whole, so memory does not grow with the group
 or the matrix size (file pages a process maps count towards its resident size; pages it only reads or
 writes do not).
 "fold" multiplies each part's norm weight into its input dimension in float32, and half-precision rows
@@ -494,13 +497,13 @@ def write_tensors(file, tensors: Sequence[ir.TensorProtocol]) -> list[int]:
     offsets = list(itertools.accumulate((t.nbytes for t in tensors), initial=file.tell()))
     fd = _regular_fd(file)
     if fd is None:
-        for tensor, offset in zip(tensors, offsets, strict=False):
+        for tensor, offset in zip(tensors, offsets[:-1], strict=True):
             tensor.tofile(file)
             _check_length(tensor, file.tell() - offset)
         return offsets[:-1]
     file.flush()
     _allocate(fd, offsets[0], offsets[-1] - offsets[0])
-    streams = [_tensor_writes(tensor, fd, at) for tensor, at in zip(tensors, offsets, strict=False)]
+    streams = [_tensor_writes(tensor, fd, at) for tensor, at in zip(tensors, offsets[:-1], strict=True)]
     _run(_interleaved(streams, [tensor.nbytes for tensor in tensors]))
     file.seek(offsets[-1])
     return offsets[:-1]

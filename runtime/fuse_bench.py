@@ -109,7 +109,14 @@ def _remove(*paths: Path) -> None:
 
 
 def bench_shape(
-    name: str, spec: tuple, work: Path, stages: bool, log=print, engine: bool = False, repeat: int = 1
+    name: str,
+    spec: tuple,
+    work: Path,
+    stages: bool,
+    log=print,
+    engine: bool = False,
+    repeat: int = 1,
+    against: Path | None = None,
 ) -> ShapeResult:
     hidden, ffn, blocks, group, dtype = spec
     folder = work / name
@@ -125,24 +132,27 @@ def bench_shape(
     itemsize = 4 if dtype == "float32" else 2
     result = ShapeResult(name, _size(model), 3 * hidden * ffn * itemsize * group)
     start_load = os.getloadavg()[0]
-    fuse = ROOT / "tools" / "fuse_onnx.py"
     out = ["-o", folder / "f.onnx"]
-    timed = {  # "fold" rescales (and in half precision converts) every gate/up row; "last" only copies
-        "fuse (fold)": ([model, plans["fold"], "--no-validate", *out], FUSE_RSS_BOUND, TIME_BOUND),
-        "fuse (last)": ([model, plans["last"], "--no-validate", *out], FUSE_RSS_BOUND, TIME_BOUND),
-    }
+    timed = {}  # "fold" rescales (and in half precision converts) every gate/up row; "last" only copies
+    for mode in ("fold", "last"):
+        args = [model, plans[mode], "--no-validate", *out]
+        timed[f"fuse ({mode})"] = Fusion(ROOT, args)
+        if against is not None:  # the same fusion by another checkout, right after or before ours
+            timed[f"  {mode} @{against.name}"] = Fusion(against, args)
     samples: dict[str, list[tuple[float, Measured]]] = {"copy": [], **{step: [] for step in timed}}
     for round_ in range(repeat):  # rounds alternate copy and fusions, so that all see the same load
         samples["copy"].append(_copy(name, model, folder, log))
-        for step, (args, _, _) in timed.items():
-            log(f"{name}: {step} (round {round_ + 1} of {repeat}) ...")
-            samples[step].append(_fuse(fuse, args, folder, step))
+        steps = list(timed) if round_ % 2 == 0 else _swapped_pairs(list(timed), against)
+        for step in steps:
+            log(f"{name}: {step.strip()} (round {round_ + 1} of {repeat}) ...")
+            samples[step].append(_fuse(timed[step], folder, step))
     samples["copy"].append(_copy(name, model, folder, log))
     result.load = (start_load, os.getloadavg()[0])
     copy = min(seconds for seconds, _ in samples["copy"])  # best of each: what interference did not add
     copy_median = statistics.median(seconds for seconds, _ in samples["copy"])
     for step, runs in samples.items():
-        _, bound, time_bound = timed.get(step, (None, None, None))
+        ours = step.startswith("fuse")  # the bounds hold for this checkout's fusions
+        bound, time_bound = (FUSE_RSS_BOUND, TIME_BOUND) if ours else (None, None)
         seconds, measured = min(runs, key=lambda run: run[0])
         every = [run[0] for run in runs]
         peak = max(m.peak_bytes for _, m in runs)
@@ -150,7 +160,7 @@ def bench_shape(
         step_result.median_vs_copy = statistics.median(every) / copy_median
         result.steps.append(step_result)
     log(f"{name}: fuse + validation ...")
-    work, measured = _fuse(fuse, [model, plans["fold"], *out], folder, "fuse + validation")
+    work, measured = _fuse(Fusion(ROOT, [model, plans["fold"], *out]), folder, "fuse + validation")
     validation = Step("fuse + validation", work, measured.peak_bytes, work / copy, VALIDATE_RSS_BOUND)
     validation.total_seconds = measured.seconds
     result.steps.append(validation)
@@ -200,9 +210,40 @@ def _copy(name: str, model: Path, folder: Path, log) -> tuple[float, Measured]:
     return copy.seconds, copy
 
 
-def _fuse(fuse: Path, args: list, folder: Path, step: str) -> tuple[float, Measured]:
+@dataclass(frozen=True)
+class Fusion:
+    """tools/fuse_onnx.py of the checkout at `root`, with `args`. The child runs in `root` with it on
+    PYTHONPATH: from anywhere else the editable install of this checkout's .venv would import this
+    checkout's `passes` whatever script runs."""
+
+    root: Path
+    args: list
+
+    def run(self) -> Measured:
+        tool = self.root / "tools" / "fuse_onnx.py"
+        return measure(tool, self.args, env={"PYTHONPATH": str(self.root)}, cwd=self.root)
+
+
+def _swapped_pairs(steps: list[str], against: Path | None) -> list[str]:
+    """Every other round, the other checkout's fusion goes before ours (the first of a pair runs on a
+    freshly synced disk)."""
+    if against is None:
+        return steps
+    return [step for i in range(0, len(steps), 2) for step in reversed(steps[i : i + 2])]
+
+
+def imports_from(root: Path) -> Path | None:
+    """The `passes` package a fusion run in checkout `root` imports (None: none imports; bench_fuse
+    --against checks it)."""
+    probe = "import passes; print(list(passes.__path__)[0])"
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, cwd=root)
+    return Path(run.stdout.strip()) if run.returncode == 0 else None
+
+
+def _fuse(fusion: Fusion, folder: Path, step: str) -> tuple[float, Measured]:
     os.sync()
-    measured = _checked(measure(fuse, args), step)
+    measured = _checked(fusion.run(), step.strip())
     _remove(folder / "f.onnx")
     return _work_seconds(measured), measured
 

@@ -57,9 +57,13 @@ class Measured:
 
 
 def measure(
-    target: str | Path, args: Sequence[object] = (), env: Mapping[str, str] | None = None
+    target: str | Path,
+    args: Sequence[object] = (),
+    env: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
 ) -> Measured:
-    """Run `target` ("module:function" or a script path) with `args` in a fresh interpreter."""
+    """Run `target` ("module:function" or a script path) with `args` in a fresh interpreter (in `cwd`, which
+    comes first on its import path)."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         report = Path(f.name)
     try:
@@ -68,6 +72,7 @@ def measure(
             capture_output=True,
             text=True,
             env={**os.environ, **(env or {})},
+            cwd=cwd,
         )
         data = json.loads(report.read_text()) if report.stat().st_size else None
     finally:

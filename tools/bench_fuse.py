@@ -12,6 +12,12 @@ FP8, sharding and analysis <= 512 MB. Needs about 3x the model size of free disk
   python tools/bench_fuse.py --no-stages --repeat 3    # fusion against copy only, best and median of 3 rounds
   python tools/bench_fuse.py --shape small:256:1024:4:2:float32 --no-stages    # a quick run
   python tools/bench_fuse.py --shape mid:1024:4096:8:4:float32 --engine         # with an engine build
+  python tools/bench_fuse.py --no-stages --repeat 4 --against ../old   # side by side with another checkout
+
+--against DIR runs the same fusions with DIR's code (a `git worktree` of an older commit) in the same
+rounds, each right before or after ours, alternating; its rows are marked @DIR. (A checkout's own tools
+run with this .venv import this checkout's `passes` unless PYTHONPATH says otherwise: the editable
+install. The bench sets it and checks which package the child imports.)
 """
 
 from __future__ import annotations
@@ -59,12 +65,17 @@ def main() -> int:
         default=1,
         help="rounds of copy, fold and last, alternating (best and median reported; default 1)",
     )
+    parser.add_argument(
+        "--against", type=Path, help="another checkout whose fusions run side by side with ours"
+    )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args()
     if args.repeat < 1:
         raise UserError(f"--repeat {args.repeat}: give at least 1 round")
+    against = _checkout(args.against) if args.against else None
     shapes = dict(parse_shape(s) for s in args.shape) if args.shape else fuse_bench.SHAPES
     if args.workdir:
+        args.workdir = args.workdir.resolve()  # the fusions run in their checkout's folder
         args.workdir.mkdir(parents=True, exist_ok=True)
     results = []
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
@@ -72,11 +83,23 @@ def main() -> int:
             stages = index == 0 and not args.no_stages
             engine = index == 0 and args.engine
             result = fuse_bench.bench_shape(
-                name, spec, Path(tmp), stages, log=_log, engine=engine, repeat=args.repeat
+                name, spec, Path(tmp), stages, log=_log, engine=engine, repeat=args.repeat, against=against
             )
             results.append(result)
     print(fuse_bench.as_json(results) if args.json else fuse_bench.report(results))
     return 0
+
+
+def _checkout(path: Path) -> Path:
+    """`path` as a checkout whose fusion imports its own code."""
+    root = path.resolve()
+    if not (root / "tools" / "fuse_onnx.py").is_file() or not (root / "passes").is_dir():
+        raise UserError(f"--against {path}: not a checkout of this project (no tools/fuse_onnx.py, passes/)")
+    imported = fuse_bench.imports_from(root)
+    if imported != root / "passes":
+        found = imported or "nowhere (import failed)"
+        raise UserError(f"--against {path}: its tools import passes from {found}, not {root / 'passes'}")
+    return root
 
 
 def _log(message: str) -> None:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import shutil
+
+from tests.conftest import ROOT
 
 
 def test_bench_fuse_reports_memory_and_time(tool, tmp_path):
@@ -43,3 +46,35 @@ def test_bench_fuse_refuses_a_bad_shape(tool):
     assert result.returncode == 2 and result.stderr.startswith("error: --shape 'x:1:2'")
     result = tool("bench_fuse", "--repeat", "0")
     assert result.returncode == 2 and result.stderr.startswith("error: --repeat 0")
+
+
+def test_bench_fuse_runs_another_checkout_side_by_side(tool, tmp_path):
+    """--against: the other checkout's own code runs (its `passes`, not this checkout's editable install),
+    in the same rounds, and its rows carry no bound."""
+    other = tmp_path / "older"
+    for folder in ("passes", "tools"):
+        shutil.copytree(ROOT / folder, other / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    marker = tmp_path / "ran"
+    init = other / "passes" / "__init__.py"
+    init.write_text(init.read_text() + f"\nopen({str(marker)!r}, 'a').write('x')\n")
+    work = tmp_path / "work"
+    args = ["--shape", "small:128:256:2:2:float32", "--no-stages", "--repeat", "2", "--workdir", work]
+    result = tool("bench_fuse", *args, "--against", other, "--json", check=True)
+    steps = {s["name"]: s for s in json.loads(result.stdout)[0]["steps"]}
+    names = ["copy", "fuse (fold)", "  fold @older", "fuse (last)", "  last @older", "fuse + validation"]
+    assert list(steps) == names
+    assert [len(steps[name]["samples"]) for name in names[1:5]] == [2, 2, 2, 2]
+    assert steps["  fold @older"]["bound_bytes"] is None and steps["  fold @older"]["time_bound"] is None
+    # Four runs of the other checkout's fusion, and the probe of which package it imports.
+    assert marker.read_text() == "x" * 5
+
+
+def test_bench_fuse_refuses_what_is_not_a_checkout(tool, tmp_path):
+    result = tool("bench_fuse", "--against", tmp_path)
+    assert result.returncode == 2 and "not a checkout of this project" in result.stderr
+    (tmp_path / "tools").mkdir()
+    (tmp_path / "tools" / "fuse_onnx.py").write_text("")
+    (tmp_path / "passes").mkdir()
+    (tmp_path / "passes" / "__init__.py").write_text("raise ImportError('broken checkout')\n")
+    result = tool("bench_fuse", "--against", tmp_path)
+    assert result.returncode == 2 and "its tools import passes from nowhere" in result.stderr, result.stderr
