@@ -69,6 +69,7 @@ class Step:
     total_seconds: float | None = None  # with Python's imports (seconds under load on a shared machine)
     samples: list[float] | None = None  # every round's seconds; `seconds` is the best
     median_vs_copy: float | None = None  # median over the rounds, against the copies' median
+    paired_vs_copy: float | None = None  # median over the rounds of the ratio to that round's copies
 
     @property
     def ok(self) -> bool:
@@ -158,6 +159,8 @@ def bench_shape(
         peak = max(m.peak_bytes for _, m in runs)
         step_result = Step(step, seconds, peak, seconds / copy, bound, time_bound, measured.seconds, every)
         step_result.median_vs_copy = statistics.median(every) / copy_median
+        if step != "copy":
+            step_result.paired_vs_copy = paired_ratio(every, [seconds for seconds, _ in samples["copy"]])
         result.steps.append(step_result)
     log(f"{name}: fuse + validation ...")
     work, measured = _fuse(Fusion(ROOT, [model, plans["fold"], *out]), folder, "fuse + validation")
@@ -200,6 +203,17 @@ def bench_shape(
         )
     _remove(folder)
     return result
+
+
+def paired_ratio(seconds: list[float], copies: list[float]) -> float:
+    """The median over the rounds of a step's seconds over the mean of the two copies that bracket its round
+    (the round's own, first, and the next round's; `copies` has one more than `seconds`). On a shared host
+    whose speed drifts by several times within minutes, each ratio compares runs a few seconds apart, where
+    "best against best" may pair a fusion and a copy from different minutes."""
+    if len(copies) != len(seconds) + 1:
+        raise ValueError(f"{len(seconds)} rounds need {len(seconds) + 1} copies, got {len(copies)}")
+    around = [(before + after) / 2 for before, after in zip(copies, copies[1:], strict=False)]
+    return statistics.median(s / copy for s, copy in zip(seconds, around, strict=True))
 
 
 def _copy(name: str, model: Path, folder: Path, log) -> tuple[float, Measured]:
@@ -284,10 +298,12 @@ def report(results: list[ShapeResult]) -> str:
         lines.append(
             f"{result.shape}: model {result.model_bytes / 1e9:.2f} GB, "
             f"largest group's weights {result.group_weight_bytes / MB:.0f} MB, "
-            f"load average {result.load[0]:.1f} -> {result.load[1]:.1f}; x copy: best against best"
+            f"load average {result.load[0]:.1f} -> {result.load[1]:.1f}; x copy: best against best; "
+            "paired x: median of each round's ratio to the copies around it"
         )
         lines.append(
-            f"  {'step':<20}{'seconds':>9}{'x copy':>8}{'median x':>10}{'peak RSS MB':>13}{'bound':>16}  ok"
+            f"  {'step':<20}{'seconds':>9}{'x copy':>8}{'median x':>10}{'paired x':>10}{'peak RSS MB':>13}"
+            f"{'bound':>16}  ok"
             "  (with imports)"
         )
         for step in result.steps:
@@ -299,6 +315,7 @@ def report(results: list[ShapeResult]) -> str:
             lines.append(
                 f"  {step.name:<20}{step.seconds:>9.1f}{step.vs_copy:>8.2f}"
                 + (f"{step.median_vs_copy:>10.2f}" if step.median_vs_copy is not None else f"{'':>10}")
+                + (f"{step.paired_vs_copy:>10.2f}" if step.paired_vs_copy is not None else f"{'':>10}")
                 + f"{step.peak_bytes / MB:>13.0f}"
                 f"{', '.join(bound):>16}  {'yes' if step.ok else 'NO ':<3}"
                 + (f" ({step.total_seconds:.1f} s)" if step.total_seconds is not None else "")

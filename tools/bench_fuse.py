@@ -7,6 +7,9 @@ each with "fold" and "last", and, on the first, FP8 quantization, TP 8 sharding 
 (--engine: also an FP8 TensorRT-RTX engine build). Each step runs in a fresh child process whose own
 peak RSS is read (runtime/peak_memory.py). Bounds: fusing <= 256 MB and <= 1.2x the copy; with validation,
 FP8, sharding and analysis <= 512 MB. Needs about 3x the model size of free disk in --workdir.
+Times against the copy, three ways: best against best copy, median against median copy, and "paired": the
+median over the rounds of each fusion's time over the mean of the copies just before and after its round
+(the least sensitive to a host whose speed drifts within minutes).
 
   python tools/bench_fuse.py [--workdir DIR] [--repeat N] [--json]
   python tools/bench_fuse.py --no-stages --repeat 3    # fusion against copy only, best and median of 3 rounds

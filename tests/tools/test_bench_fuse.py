@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
+
+from runtime import fuse_bench
 from tests.conftest import ROOT
 
 
@@ -32,6 +35,12 @@ def test_bench_fuse_reports_memory_and_time(tool, tmp_path):
     # Two rounds alternate copy, fold and last (and a last copy); the best of each is reported.
     assert [len(steps[name]["samples"]) for name in fuse_steps[:3]] == [3, 2, 2]
     assert all(steps[name]["seconds"] == min(steps[name]["samples"]) for name in fuse_steps[:3])
+    copies = steps["copy"]["samples"]
+    for name in fuse_steps[1:3]:  # each round against the copies before and after it
+        rounds = zip(steps[name]["samples"], copies[:-1], copies[1:], strict=True)
+        ratios = sorted(s / ((a + b) / 2) for s, a, b in rounds)
+        assert steps[name]["paired_vs_copy"] == pytest.approx((ratios[0] + ratios[1]) / 2)
+    assert steps["copy"]["paired_vs_copy"] is None
     for shape in shapes:
         for step in shape["steps"]:
             assert step["seconds"] > 0 and step["vs_copy"] > 0 and step["peak_bytes"] > 0
@@ -39,6 +48,13 @@ def test_bench_fuse_reports_memory_and_time(tool, tmp_path):
             if step["bound_bytes"] is not None:
                 assert step["peak_bytes"] <= step["bound_bytes"], step
     assert list(tmp_path.iterdir()) == []  # the benchmark cleans up after itself
+
+
+def test_paired_ratio_compares_each_round_with_the_copies_around_it():
+    # Every round took 1.2x its copies, while the host slowed down; best against best says 1.8 (1.8 / 1.0).
+    assert fuse_bench.paired_ratio([1.8, 2.4, 3.6], [2.0, 1.0, 3.0, 3.0]) == pytest.approx(1.2)
+    with pytest.raises(ValueError, match="2 rounds need 3 copies"):
+        fuse_bench.paired_ratio([1.0, 1.0], [1.0, 1.0])
 
 
 def test_bench_fuse_refuses_a_bad_shape(tool):
