@@ -149,8 +149,9 @@ def bench_shape(
             samples[step].append(_fuse(timed[step], folder, step))
     samples["copy"].append(_copy(name, model, folder, log))
     result.load = (start_load, os.getloadavg()[0])
-    copy = min(seconds for seconds, _ in samples["copy"])  # best of each: what interference did not add
-    copy_median = statistics.median(seconds for seconds, _ in samples["copy"])
+    copies = [seconds for seconds, _ in samples["copy"]]
+    copy = min(copies)  # best of each: what interference did not add
+    copy_median = statistics.median(copies)
     for step, runs in samples.items():
         ours = step.startswith("fuse")  # the bounds hold for this checkout's fusions
         bound, time_bound = (FUSE_RSS_BOUND, TIME_BOUND) if ours else (None, None)
@@ -160,7 +161,7 @@ def bench_shape(
         step_result = Step(step, seconds, peak, seconds / copy, bound, time_bound, measured.seconds, every)
         step_result.median_vs_copy = statistics.median(every) / copy_median
         if step != "copy":
-            step_result.paired_vs_copy = paired_ratio(every, [seconds for seconds, _ in samples["copy"]])
+            step_result.paired_vs_copy = paired_ratio(every, copies)
         result.steps.append(step_result)
     log(f"{name}: fuse + validation ...")
     work, measured = _fuse(Fusion(ROOT, [model, plans["fold"], *out]), folder, "fuse + validation")
@@ -314,13 +315,17 @@ def report(results: list[ShapeResult]) -> str:
                 bound.append(f"{step.time_bound}x")
             lines.append(
                 f"  {step.name:<20}{step.seconds:>9.1f}{step.vs_copy:>8.2f}"
-                + (f"{step.median_vs_copy:>10.2f}" if step.median_vs_copy is not None else f"{'':>10}")
-                + (f"{step.paired_vs_copy:>10.2f}" if step.paired_vs_copy is not None else f"{'':>10}")
+                + _ratio_column(step.median_vs_copy)
+                + _ratio_column(step.paired_vs_copy)
                 + f"{step.peak_bytes / MB:>13.0f}"
                 f"{', '.join(bound):>16}  {'yes' if step.ok else 'NO ':<3}"
                 + (f" ({step.total_seconds:.1f} s)" if step.total_seconds is not None else "")
             )
     return "\n".join(lines)
+
+
+def _ratio_column(ratio: float | None) -> str:
+    return f"{ratio:>10.2f}" if ratio is not None else f"{'':>10}"
 
 
 def as_json(results: list[ShapeResult]) -> str:

@@ -12,7 +12,7 @@ median over the rounds of each fusion's time over the mean of the copies just be
 (the least sensitive to a host whose speed drifts within minutes).
 
   python tools/bench_fuse.py [--workdir DIR] [--repeat N] [--json]
-  python tools/bench_fuse.py --no-stages --repeat 3    # fusion against copy only, best and median of 3 rounds
+  python tools/bench_fuse.py --no-stages --repeat 3    # fusion against copy only, 3 rounds
   python tools/bench_fuse.py --shape small:256:1024:4:2:float32 --no-stages    # a quick run
   python tools/bench_fuse.py --shape mid:1024:4096:8:4:float32 --engine         # with an engine build
   python tools/bench_fuse.py --no-stages --repeat 4 --against ../old   # side by side with another checkout
@@ -66,7 +66,7 @@ def main() -> int:
         "--repeat",
         type=int,
         default=1,
-        help="rounds of copy, fold and last, alternating (best and median reported; default 1)",
+        help="rounds of copy, fold and last, alternating (best, median and paired reported; default 1)",
     )
     parser.add_argument(
         "--against", type=Path, help="another checkout whose fusions run side by side with ours"
