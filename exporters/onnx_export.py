@@ -25,6 +25,7 @@ import torch
 from exporters.llama import build_model, count_parameters
 from exporters.results import ExportResult
 from exporters.spec import ModelSpec
+from passes.data_files import data_files
 from passes.model_io import save_model, weight_bytes
 
 # Same as exporters.smollm2.PRUNED_BLOCKS (not imported here: that module imports transformers).
@@ -98,13 +99,9 @@ def dynamo_export(module: torch.nn.Module, args: tuple, *, opset: int | None, op
 
 def save_export(model: ir.Model, path: Path, external_data_threshold: int) -> list[Path]:
     """Save an exported model: its weights in `<name>.data` beside it when they pass the threshold, else one
-    file (and a stale data file from an earlier export is removed: it would mislead). The files written."""
-    data_path = path.with_name(f"{path.name}.data")
-    external = weight_bytes(model) > external_data_threshold
-    if not external:
-        data_path.unlink(missing_ok=True)
-    save_model(model, path, external)
-    return [path, data_path] if external else [path]
+    file (data files of an earlier export there are removed: they would mislead). The files written."""
+    save_model(model, path, weight_bytes(model) > external_data_threshold)
+    return [path, *data_files(path)]
 
 
 def export_onnx(module: torch.nn.Module, path: str | os.PathLike, *, opset: int | None = None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,9 +11,10 @@ import onnx
 import onnx_ir as ir
 from google.protobuf.message import DecodeError
 
+from passes.data_files import data_file_names, data_files, pack
 from passes.errors import UserError
 from passes.staging import commit_output, staged_output  # noqa: F401  (re-exported)
-from passes.stream_concat import write_tensors
+from passes.stream_concat import write_files
 
 # Above this many initializer bytes a model must be saved with external data (protobuf's 2 GB limit).
 EXTERNAL_DATA_THRESHOLD = 1_800_000_000
@@ -80,43 +82,66 @@ def weight_bytes(model: ir.Model) -> int:
     return sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
 
 
-def save_model(model: ir.Model, path: Path, external: bool) -> None:
-    """Save (external data as `<name>.data` beside it when `external`); the tensors are written all at once
-    (stream_concat.write_tensors).
+def save_model(
+    model: ir.Model, path: Path, external: bool, max_file_bytes: int | None = None
+) -> None:
+    """Save (external data beside it when `external`: `<name>.data`, or, given `max_file_bytes` and weights
+    above it, numbered files of at most that each, passes/data_files.py); the tensors of every file are
+    written all at once (stream_concat.write_files).
 
-    The data file is written here rather than by onnx-ir's writer, which writes it in a temporary folder
-    and removes that folder: on a file system that discards freed blocks synchronously (ext4 mounted with
-    `discard`, as on these machines) the removal waits for all the writeback queued ahead of it, 0.5-2 s
-    after a few GB (docs/scale.md). Same layout as onnx-ir's: the initializers above INLINE_BYTES, densely,
-    in order."""
+    The data files are written here rather than by onnx-ir's writer, which writes one file in a temporary
+    folder and removes that folder: on a file system that discards freed blocks synchronously (ext4 mounted
+    with `discard`, as on these machines) the removal waits for all the writeback queued ahead of it,
+    0.5-2 s after a few GB (docs/scale.md). Same layout as onnx-ir's within a file: the initializers above
+    INLINE_BYTES, densely, in order. Data files of an earlier save to `path` that this one does not
+    write are removed (unless the model read from them)."""
     path = Path(path)
-    data = path.with_name(f"{path.name}.data")
     values = [value for graph in model.graphs() for value in graph.initializers.values()]
     tensors = [value.const_value for value in values]
-    if not external or any(_reads_from(tensor, data) for tensor in tensors):
-        # onnx-ir stages the data file itself when a tensor reads from the file it replaces
-        ir.save(model, path, external_data=data.name if external else None)
+    reads_earlier = any(_reads_from(tensor, data_files(path)) for tensor in tensors)
+    if not external or reads_earlier:
+        # onnx-ir stages the data file itself when a tensor reads from a file it replaces (numbered files
+        # it read from stay: the model in memory may still read them)
+        ir.save(model, path, external_data=f"{path.name}.data" if external else None)
+        if not reads_earlier:
+            _remove_stale(path, [f"{path.name}.data"] if external else [])
         return
-    pairs = zip(values, tensors, strict=True)
-    written = [(value, tensor) for value, tensor in pairs if _external(tensor)]
+    written = [(value, tensor) for value, tensor in zip(values, tensors, strict=True) if _external(tensor)]
+    packed = pack([tensor.nbytes for _, tensor in written], max_file_bytes)
+    names = data_file_names(path.name, len(packed))
+    files = [[written[i] for i in indices] for indices in packed]
     try:
-        with open(data, "wb") as file:
-            offsets = write_tensors(file, [tensor for _, tensor in written])  # all at once, interleaved
-        for (value, tensor), offset in zip(written, offsets, strict=True):
-            value.const_value = ir.ExternalTensor(
-                data.name, offset, tensor.nbytes, tensor.dtype, shape=tensor.shape, name=tensor.name,
-                base_dir=data.parent,
-            )  # fmt: skip
+        with contextlib.ExitStack() as stack:
+            opened = [stack.enter_context(open(path.with_name(name), "wb")) for name in names]
+            pairs = [
+                (file, [tensor for _, tensor in group]) for file, group in zip(opened, files, strict=True)
+            ]
+            offsets = write_files(pairs)  # all files at once, their tensors interleaved
+        for name, group, starts in zip(names, files, offsets, strict=True):
+            for (value, tensor), offset in zip(group, starts, strict=True):
+                value.const_value = ir.ExternalTensor(
+                    name, offset, tensor.nbytes, tensor.dtype, shape=tensor.shape, name=tensor.name,
+                    base_dir=path.parent,
+                )  # fmt: skip
         for value, tensor in zip(values, tensors, strict=True):
             if isinstance(tensor, ir.ExternalTensor) and tensor.nbytes <= INLINE_BYTES:
                 value.const_value = ir.Tensor(tensor.numpy(), dtype=tensor.dtype, name=tensor.name)
         ir.save(model, path)  # the tensors are external now: the proto keeps their location and offset
     except BaseException:
-        data.unlink(missing_ok=True)  # no partial data file (the proto is written last)
+        for name in names:  # no partial data file (the proto is written last)
+            path.with_name(name).unlink(missing_ok=True)
         raise
     finally:
         for value, tensor in zip(values, tensors, strict=True):
             value.const_value = tensor
+    _remove_stale(path, names)
+
+
+def _remove_stale(path: Path, kept: list[str]) -> None:
+    """Remove the data files of an earlier save to `path` that the model no longer names."""
+    for stale in data_files(path):
+        if stale.name not in kept:
+            stale.unlink(missing_ok=True)
 
 
 def _external(tensor: ir.TensorProtocol | None) -> bool:
@@ -124,10 +149,10 @@ def _external(tensor: ir.TensorProtocol | None) -> bool:
     return tensor is not None and tensor.nbytes > INLINE_BYTES
 
 
-def _reads_from(tensor: ir.TensorProtocol | None, data: Path) -> bool:
+def _reads_from(tensor: ir.TensorProtocol | None, files: list[Path]) -> bool:
     if not isinstance(tensor, ir.ExternalTensor):
         return False
     try:
-        return os.path.samefile(tensor.path, data)
-    except OSError:  # either file missing
+        return any(os.path.samefile(tensor.path, file) for file in files)
+    except OSError:  # the tensor's file missing
         return False

@@ -46,6 +46,7 @@ def fuse_file(
     validate_output: bool = True,
     tokens: np.ndarray | None = None,
     log: Callable[[str], None] = lambda message: None,
+    max_data_file_bytes: int | None = None,
 ) -> FuseResult:
     model_path = Path(model_path)
     output = Path(output) if output is not None else default_output(model_path)
@@ -60,8 +61,8 @@ def fuse_file(
     external = has_external_data(model_path) or weight_bytes(model) > EXTERNAL_DATA_THRESHOLD
     with staged_output(output) as staging:
         staged = staging / output.name
-        log(f"writing {output}" + (f" (+ {output.name}.data)" if external else ""))
-        save_model(model, staged, external)
+        log(f"writing {output}" + (" (+ its external data)" if external else ""))
+        save_model(model, staged, external, max_data_file_bytes)
         report = None
         if validate_output:
             log("validating with ONNX Runtime against the original and the parallel-sum reference")

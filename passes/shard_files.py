@@ -137,9 +137,7 @@ def shard_file(
         path.parent.mkdir(parents=True, exist_ok=True)
         big = weight_bytes(model) > EXTERNAL_DATA_THRESHOLD
         external = external_data if external_data is not None else (source_external or big)
-        if not external:
-            path.with_name("model.onnx.data").unlink(missing_ok=True)
-        save_model(model, path, external)
+        save_model(model, path, external)  # removes the data files of an earlier save there
         files.append(path)
         del model
         bar(rank)

@@ -14,6 +14,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from passes.data_files import data_files
+
 # Above this size of committed data the emptied staging folder is removed by a detached process: removing
 # it frees a block, and a file system that discards freed blocks synchronously (ext4 mounted with
 # `discard`, as on these machines) makes that wait behind all the writeback queued ahead of it, 0.5-2 s
@@ -37,18 +39,23 @@ def staged_output(path: str | Path) -> Iterator[Path]:
 
 
 def commit_output(staged: Path, path: Path) -> None:
-    """Move a staged model (and its data file) to `path`; the data file first, the model last."""
-    data = staged.with_name(f"{staged.name}.data")
-    if data.exists():
-        os.replace(data, path.with_name(f"{path.name}.data"))
+    """Move a staged model (and its data files) to `path`; the data files first, the model last, then the
+    data files of an earlier output at `path` that the new one does not have are removed."""
+    moved = []
+    for data in data_files(staged):
+        target = path.with_name(path.name + data.name.removeprefix(staged.name))
+        os.replace(data, target)
+        moved.append(target)
     os.replace(staged, path)
+    for stale in set(data_files(path)) - set(moved):
+        stale.unlink(missing_ok=True)
 
 
 def _committed_large(staging: Path, path: Path) -> bool:
-    """The staging folder is empty (its files were committed) and the output's data file is large."""
-    data = path.with_name(f"{path.name}.data")
+    """The staging folder is empty (its files were committed) and the output's data is large."""
     try:
-        return not any(staging.iterdir()) and data.stat().st_size >= DETACHED_REMOVAL_BYTES
+        committed = sum(data.stat().st_size for data in data_files(path))
+        return not any(staging.iterdir()) and committed >= DETACHED_REMOVAL_BYTES
     except OSError:
         return False
 

@@ -5,12 +5,12 @@ A `ConcatTensor` is the concatenation of `Part`s along one axis of the stored ma
 - axis 0: the parts one after the other (rows of the first part, then of the second, ...);
 - axis 1: each output row is the parts' rows side by side (rows interleave the parts).
 
-A model's tensors are written into its data file by `write_tensors`, all at once: the whole range is
+A model's tensors are written into its data files by `write_files`, all at once: each file's range is
 allocated (fallocate), and the jobs of every tensor, each writing its own byte range at its offset
-(pwrite), run on two threads, interleaved so that each tensor advances in proportion to its size: one
-thread copies plain weights in the kernel while the other scales gate/up rows. One write at a time (the
-kernel serializes writes to a file anyway; see _WRITING), so a thread builds a chunk while the other
-writes:
+(pwrite), run on two threads, interleaved so that each tensor (and each file) advances in proportion to
+its size: one thread copies plain weights in the kernel while the other scales gate/up rows, and the two
+mostly write different files. One write at a time to a file (the kernel serializes writes to a file
+anyway; see _writing), so a thread builds a chunk while the other writes:
 
 - plain parts (whole rows, unscaled) of an axis-0 concatenation, and unchanged external tensors: kernel
   copies, file to file (copy_file_range), in COPY_BYTES pieces;
@@ -49,6 +49,7 @@ import stat
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import BinaryIO
 
 import numpy as np
 import onnx_ir as ir
@@ -486,27 +487,43 @@ MAP_BYTES = 8 << 20  # output bytes per interleaved-rows job: its rows of each p
 
 
 def write_tensors(file, tensors: Sequence[ir.TensorProtocol]) -> list[int]:
-    """Write the tensors' bytes one after the other from the file's position; the offset of each.
+    """Write the tensors' bytes one after the other from the file's position; the offset of each (see
+    write_files)."""
+    return write_files([(file, tensors)])[0]
 
-    Into a regular file, all at once: the whole range is allocated (fallocate), and the jobs of every tensor
-    (a ConcatTensor's chunks and kernel copies, an external tensor's kernel copies in COPY_BYTES pieces,
-    any other tensor whole) run on two threads, interleaved so that each tensor advances in proportion to
-    its size. So one thread copies plain weights (down, the layers not fused) in the kernel while the
-    other scales the next gate/up rows, where written tensor after tensor the scaling waited for the
-    copies and the copies for the scaling. Into a stream: tensor after tensor, with `tofile`."""
-    offsets = list(itertools.accumulate((t.nbytes for t in tensors), initial=file.tell()))
-    fd = _regular_fd(file)
-    if fd is None:
-        for tensor, offset in zip(tensors, offsets[:-1], strict=True):
-            tensor.tofile(file)
-            _check_length(tensor, file.tell() - offset)
-        return offsets[:-1]
-    file.flush()
-    _allocate(fd, offsets[0], offsets[-1] - offsets[0])
-    streams = [_tensor_writes(tensor, fd, at) for tensor, at in zip(tensors, offsets[:-1], strict=True)]
-    _run(_interleaved(streams, [tensor.nbytes for tensor in tensors]))
-    file.seek(offsets[-1])
-    return offsets[:-1]
+
+def write_files(files: Sequence[tuple[BinaryIO, Sequence[ir.TensorProtocol]]]) -> list[list[int]]:
+    """Write each file's tensors one after the other from its position; the offsets of each file's tensors.
+
+    Into regular files, all at once: each file's range is allocated (fallocate), and the jobs of every
+    tensor (a ConcatTensor's chunks and kernel copies, an external tensor's kernel copies in COPY_BYTES
+    pieces, any other tensor whole) run on two threads, interleaved so that each tensor advances in
+    proportion to its size. So one thread copies plain weights (down, the layers not fused) in the kernel
+    while the other scales the next gate/up rows, where written tensor after tensor the scaling waited for
+    the copies and the copies for the scaling. The files are interleaved the same way, so that the two
+    threads mostly write different files: the kernel serializes writes to one file, not to two (_writing).
+    Into a stream: tensor after tensor, with `tofile`."""
+    offsets = [
+        list(itertools.accumulate((t.nbytes for t in tensors), initial=file.tell()))
+        for file, tensors in files
+    ]
+    streams, sizes = [], []
+    for (file, tensors), ends in zip(files, offsets, strict=True):
+        fd = _regular_fd(file)
+        if fd is None:
+            for tensor, offset in zip(tensors, ends[:-1], strict=True):
+                tensor.tofile(file)
+                _check_length(tensor, file.tell() - offset)
+            continue
+        file.flush()
+        _allocate(fd, ends[0], ends[-1] - ends[0])
+        jobs = [_tensor_writes(tensor, fd, at) for tensor, at in zip(tensors, ends[:-1], strict=True)]
+        streams.append(_interleaved(jobs, [tensor.nbytes for tensor in tensors]))
+        sizes.append(ends[-1] - ends[0])
+    _run(_interleaved(streams, sizes))
+    for (file, _), ends in zip(files, offsets, strict=True):
+        file.seek(ends[-1])
+    return [ends[:-1] for ends in offsets]
 
 
 def _tensor_writes(tensor: ir.TensorProtocol, fd: int, at: int) -> Iterator[Write]:
@@ -582,16 +599,24 @@ def _write(file, chunk: np.ndarray) -> None:
     file.write(memoryview(np.ascontiguousarray(chunk).view(np.uint8).reshape(-1)))
 
 
-# One write at a time. A write holds the file's inode lock in the kernel, and a second thread writing the
-# same file spins on that lock for as long as the first is copying (rwsem_spin_on_owner was a quarter of a
-# "fold"'s CPU time in `perf`): waiting here it sleeps instead, and its core reads and scales the next chunk.
-_WRITING = threading.Lock()
+# One write at a time to a file. A write holds the file's inode lock in the kernel, and a second thread
+# writing the same file spins on that lock for as long as the first is copying (rwsem_spin_on_owner was a
+# quarter of a "fold"'s CPU time in `perf`): waiting here it sleeps instead, and its core reads and scales
+# the next chunk. Writes to different files go on at the same time.
+_WRITE_LOCKS: dict[int, threading.Lock] = {}
+_WRITE_LOCKS_GUARD = threading.Lock()
+
+
+def _writing(fd: int) -> threading.Lock:
+    """The lock held while writing to `fd` (a file's descriptor numbers are unique while it is open)."""
+    with _WRITE_LOCKS_GUARD:
+        return _WRITE_LOCKS.setdefault(fd, threading.Lock())
 
 
 def _pwrite_all(fd: int, arrays: list[np.ndarray], offset: int) -> None:
     """Write the arrays' bytes one after the other at `offset` (pwritev, IOV_MAX buffers a call)."""
     buffers = [memoryview(np.ascontiguousarray(a).view(np.uint8).reshape(-1)) for a in arrays if a.size]
-    with _WRITING:
+    with _writing(fd):
         for first in range(0, len(buffers), _IOV_MAX):
             batch = buffers[first : first + _IOV_MAX]
             while batch:
@@ -603,7 +628,7 @@ def _pwrite_all(fd: int, arrays: list[np.ndarray], offset: int) -> None:
 def _copy_file(path: str, offset: int, fd: int, at: int, length: int) -> None:
     source = os.open(path, os.O_RDONLY)
     try:
-        with _WRITING:
+        with _writing(fd):
             copy_range(source, offset, fd, at, length, name=path)
     finally:
         os.close(source)

@@ -33,6 +33,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from passes.data_files import data_files
 from runtime.peak_memory import Measured, measure, timed_copy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,7 +94,7 @@ def _checked(measured: Measured, what: str) -> Measured:
 
 
 def _files(model: Path) -> list[Path]:
-    return [model, model.with_name(model.name + ".data")]
+    return [model, *data_files(model)]
 
 
 def _size(model: Path) -> int:

@@ -449,7 +449,7 @@ def heal(
         saved = _heal_groups(pair, calib, heldout, config, result, staging, log)
         if output is not None:
             staged = staging / target.name
-            log(f"writing {target} (+ {target.name}.data)")
+            log(f"writing {target} (+ its external data)")
             _write(pair, saved, result, staged)
             check_written(staged, pair, saved, calib[:CHUNK_WINDOWS])
             commit_output(staged, target)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -38,6 +39,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "-o", "--output", type=Path, help="output path (default: MODEL.fused.onnx beside the input)"
     )
     parser.add_argument("--no-validate", action="store_true", help="skip the checker and the numeric checks")
+    parser.add_argument(
+        "--max-data-file-gb",
+        type=float,
+        default=0,
+        metavar="GB",
+        help="external data in numbered files of at most GB each, written at once, for hosts that limit "
+        "a file's size (the Hugging Face Hub: 50 GB); default 0: one file, OUTPUT.data",
+    )
     parser.add_argument("--show-blocks", action="store_true", help="print the block table and exit")
     parser.add_argument(
         "--json", action="store_true", help="machine-readable output (with --show-blocks/--verify)"
@@ -53,6 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--verify needs two models: --verify original.onnx fused.onnx")
     if not (args.show_blocks or args.verify) and args.plan is None:
         parser.error("a plan.json is required (or --show-blocks / --verify MODEL FUSED)")
+    if not (math.isfinite(args.max_data_file_gb) and args.max_data_file_gb >= 0):
+        raise UserError(f"--max-data-file-gb {args.max_data_file_gb:g}: give 0 (one file) or a size in GB")
     args.fused = args.plan if args.verify else None
     return args
 
@@ -89,6 +100,7 @@ def fuse(args: argparse.Namespace) -> int:
         args.output,
         validate_output=not args.no_validate,
         log=lambda m: print(m, file=sys.stderr),
+        max_data_file_bytes=int(args.max_data_file_gb * 1e9),
     )
     groups = (
         ", ".join(

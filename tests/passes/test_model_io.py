@@ -5,10 +5,12 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 import pytest
 
 from exporters.synthetic import SyntheticSpec, build_synthetic
+from passes.data_files import data_file_names
 from passes.model_io import INLINE_BYTES, load_model, save_model
 
 SPEC = SyntheticSpec(blocks=[(True, 48), (False, 64), (True, 32)])
@@ -50,6 +52,41 @@ def test_a_model_saved_over_the_data_it_reads(model_path):
     saved = _initializers(load_model(model_path))
     for name, array in expected.items():
         np.testing.assert_array_equal(saved[name].numpy(), array)
+
+
+def test_saved_in_several_files_of_at_most_the_limit(model_path, tmp_path):
+    """Weights above the limit go to numbered files, tensors in order, each file within the limit unless
+    it holds one larger tensor; the model reads the same; a later save in one file removes the numbered
+    ones (and the other way round), and a save without external data removes them all."""
+    model = load_model(model_path)
+    before = {name: t.numpy().copy() for name, t in _initializers(model).items()}
+    sizes = [t.nbytes for t in _initializers(model).values() if t.nbytes > INLINE_BYTES]
+    limit = 2 * max(sizes) // 3  # the largest tensors exceed it: files of one tensor too
+    target = tmp_path / "out" / "m.onnx"
+    target.parent.mkdir()
+    save_model(model, target, external=True, max_file_bytes=limit)
+    names = sorted(os.listdir(target.parent))
+    count = len(names) - 1
+    assert count > 2 and names == ["m.onnx", *data_file_names("m.onnx", count)]
+    proto = onnx.load(str(target), load_external_data=False)
+    locations: dict[str, list[int]] = {}
+    for tensor in proto.graph.initializer:
+        info = {entry.key: entry.value for entry in tensor.external_data}
+        if info:
+            locations.setdefault(info["location"], []).append(int(info["length"]))
+    assert sorted(locations) == names[1:] and sum(map(len, locations.values())) == len(sizes)
+    for name, lengths in locations.items():
+        assert sum(lengths) <= limit or len(lengths) == 1
+        assert (target.parent / name).stat().st_size == sum(lengths)  # densely packed
+    saved = _initializers(load_model(target))
+    for name, array in before.items():
+        np.testing.assert_array_equal(saved[name].numpy(), array)
+    save_model(model, target, external=True, max_file_bytes=None)
+    assert sorted(os.listdir(target.parent)) == ["m.onnx", "m.onnx.data"]
+    save_model(model, target, external=True, max_file_bytes=limit)
+    assert sorted(os.listdir(target.parent)) == names
+    save_model(model, target, external=False)  # weights in the proto: no data file stays
+    assert os.listdir(target.parent) == ["m.onnx"]
 
 
 class _Failing(ir.Tensor):

@@ -7,6 +7,7 @@ import time
 import pytest
 
 import passes.staging
+from passes.data_files import data_file_names
 from passes.staging import commit_output, staged_output
 
 
@@ -57,3 +58,18 @@ def test_a_large_failure_is_still_removed_before_returning(tmp_path, monkeypatch
         raise RuntimeError("interrupted")
     assert _names(tmp_path) == ["m.onnx.data"]
     assert (tmp_path / "m.onnx.data").read_bytes() == b"an older output"
+
+
+def test_numbered_data_files_are_committed_and_an_older_output_s_removed(tmp_path):
+    """A commit moves every data file of the staged model; the files of the output it replaces that it
+    does not have (an earlier save in more files, or in one) are removed, other files stay."""
+    for name in ["m.onnx", "m.onnx.data", *data_file_names("m.onnx", 3), "other.onnx.data"]:
+        (tmp_path / name).write_bytes(b"an older output")
+    with staged_output(tmp_path / "m.onnx") as staging:
+        (staging / "m.onnx").write_bytes(b"model")
+        for name in data_file_names("m.onnx", 2):
+            (staging / name).write_bytes(name.encode())
+        commit_output(staging / "m.onnx", tmp_path / "m.onnx")
+    assert _names(tmp_path) == sorted(["m.onnx", *data_file_names("m.onnx", 2), "other.onnx.data"])
+    for name in data_file_names("m.onnx", 2):
+        assert (tmp_path / name).read_bytes() == name.encode()

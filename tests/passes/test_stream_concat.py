@@ -432,3 +432,37 @@ def test_write_tensors_interleaves_the_tensors_in_proportion(tmp_path, monkeypat
     # 1280 bytes of gate in jobs of 64 (two rows): 20 writes; 1600 of plain in copies of 96: 17
     runs = [len(list(group)) for _, group in itertools.groupby(writes)]
     assert writes.count("plain") == 17 and max(runs) <= 3, writes
+
+
+def test_write_files_writes_each_file_and_alternates_between_them(tmp_path, monkeypatch):
+    """A model's data in several files, written at once: each file gets its tensors from where it stands,
+    at the offsets returned, and the jobs alternate between the files (each advancing in proportion to its
+    size), so that the two threads mostly write different files, which the kernel lets go on together."""
+    monkeypatch.setattr(stream_concat, "COPY_BYTES", 96)
+    monkeypatch.setattr(stream_concat, "MAP_BYTES", 64)
+    monkeypatch.setattr(stream_concat, "_WORKERS", 1)  # the jobs' own order
+    tensors, expected = _tensors(tmp_path)
+    writes: list[int] = []
+    pwritev, copy = os.pwritev, os.copy_file_range
+
+    def written(fd, buffers, offset):
+        writes.append(fd)
+        return pwritev(fd, buffers, offset)
+
+    def copied(source, fd, *args):
+        writes.append(fd)
+        return copy(source, fd, *args)
+
+    monkeypatch.setattr(os, "pwritev", written)
+    monkeypatch.setattr(os, "copy_file_range", copied)
+    with open(tmp_path / "a.data", "wb") as first, open(tmp_path / "b.data", "wb") as second:
+        first.write(b"head")
+        offsets = stream_concat.write_files([(first, tensors[:1]), (second, tensors[1:])])
+        assert (first.tell(), second.tell()) == (4 + len(expected[0]), sum(map(len, expected[1:])))
+        fds = (first.fileno(), second.fileno())
+    assert (tmp_path / "a.data").read_bytes() == b"head" + expected[0]
+    assert (tmp_path / "b.data").read_bytes() == b"".join(expected[1:])
+    assert offsets == [[4], [0, len(expected[1]), len(expected[1]) + len(expected[2])]]
+    # 20 writes of gate (1280 bytes in jobs of 64) against 17 copies of plain (1600 in 96) and two small
+    runs = [len(list(group)) for _, group in itertools.groupby(writes)]
+    assert set(writes) == set(fds) and len(writes) == 20 + 17 + 2 and max(runs) <= 3, writes

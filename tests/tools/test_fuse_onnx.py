@@ -104,6 +104,8 @@ def _bad_cases(tmp_path, model):
         "no blocks": ([gelu / "model.onnx", good_plan], "LayerNorm -> GELU"),
         "output is input": ([model, good_plan, "-o", model], "is the input model"),
         "missing plan": ([model, tmp_path / "nope.json"], "does not exist"),
+        "negative file size": ([model, good_plan, "--max-data-file-gb", "-1"], "give 0 (one file)"),
+        "file size nan": ([model, good_plan, "--max-data-file-gb", "nan"], "give 0 (one file)"),
     }, folder
 
 

@@ -21,6 +21,7 @@ import pytest
 
 from exporters.tensorrt_engine import onnx_sha256
 from exporters.third_party import ENTRIES
+from passes.data_files import data_file_names
 from passes.graph_inputs import Signature
 from passes.sessions import open_session
 from runtime.generate import DecodeModel, greedy_generate
@@ -120,6 +121,23 @@ def test_verify(tool, fused, third_party_corpus, name):
     result = tool("fuse_onnx", "--verify", third_party_corpus[name], path)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().endswith("verified")
+
+
+def test_fused_weights_in_several_data_files(tool, fused, third_party_corpus, tmp_path):
+    """--max-data-file-gb: ONNX Runtime GenAI's export fused with its weights in numbered files of at most
+    100 MB, all written at once. The model computes exactly what the one-file output computes, and
+    --verify reads it."""
+    name = "genai-fp32"
+    one_file, _ = fused(name, "fold")
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"groups": [list(g) for g in GROUPS], "norm": "fold"}))
+    out = tmp_path / "model.fused.onnx"
+    tool("fuse_onnx", third_party_corpus[name], plan, "-o", out, "--max-data-file-gb", "0.1", check=True)
+    names = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("model.fused.onnx."))
+    assert len(names) > 4 and names == data_file_names(out.name, len(names)), names
+    np.testing.assert_array_equal(ort_logits(out), ort_logits(one_file))
+    result = tool("fuse_onnx", "--verify", third_party_corpus[name], out)
+    assert result.returncode == 0 and result.stdout.strip().endswith("verified"), result.stderr
 
 
 @pytest.mark.parametrize("name", ENTRIES)
