@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 from exporters.hf_config import DTYPES, HfConfig, decode_spec, expected_tensors, layer_kinds, read_config
 from exporters.results import ExportResult
 from passes.errors import UserError
-from passes.file_copy import copy_range
+from passes.file_copy import copy_range, write_at
 from passes.staging import commit_output, staged_output
 
 if TYPE_CHECKING:  # onnx_ir (~1.5 s to import) and torch (--decode only) load once the weight copy runs
@@ -594,5 +594,6 @@ def _convert(src: int, entry: TensorEntry, fd: int, offset: int, dtype: str) -> 
     for first in range(0, length, step):
         raw = os.pread(src, min(step, length - first), entry.start + first)
         data = np.frombuffer(raw, dtype=source).astype(target)
-        written += os.pwrite(fd, memoryview(data.view(np.uint8)), offset + written)
+        write_at(fd, data.view(np.uint8), offset + written)
+        written += data.nbytes
     return written

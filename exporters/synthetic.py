@@ -15,6 +15,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from passes.file_copy import WRITE_BYTES
+
 NORMS = (
     "pow_reciprocal",
     "mul_div",
@@ -73,7 +75,9 @@ class _Builder:
         if self.data_path is not None and tensor.ByteSize() > 1024:
             raw = tensor.raw_data
             with self.data_path.open("ab") as f:
-                f.write(raw)
+                view = memoryview(raw)
+                for start in range(0, len(view), WRITE_BYTES):  # small writes: see file_copy.WRITE_BYTES
+                    f.write(view[start : start + WRITE_BYTES])
             tensor.ClearField("raw_data")
             tensor.data_location = TensorProto.EXTERNAL
             for key, value in (

@@ -54,13 +54,8 @@ from typing import BinaryIO
 import numpy as np
 import onnx_ir as ir
 
-from passes.file_copy import copy_range
+from passes.file_copy import WRITE_BYTES, copy_range
 
-# Bytes a write call copies from user memory at most. A write of 1 MB gets a 1 MB folio (a large page of
-# the page cache) on ext4 here, and the copy into it was 10-15x slower per byte than into the small folios of
-# writes up to 512 KB, in most hours (the swings of fusion time against `cp` in docs/scale.md, passes 4-6;
-# `cp`'s kernel copies write 64 KB at a time). 128 KB: 8192 calls a GB, fast at every size measured.
-WRITE_BYTES = 128 << 10
 CHUNK_BYTES = 1 << 20  # a built chunk: small enough to stay in a core's cache while read, scaled, written
 Source = ir.TensorProtocol | np.ndarray  # a model's tensor (external data or in memory), or an array
 
