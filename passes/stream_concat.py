@@ -18,7 +18,8 @@ anyway; see _writing), so a thread builds a chunk while the other writes:
   band are mapped from its data file with MAP_POPULATE (page table entries for the file's cached pages in
   one call, no copy and no page faults; unmapped when the band is written), then, chunk by chunk (about
   CHUNK_BYTES, small enough to stay in a core's cache), scaled from the map into a block when "fold"
-  scales them, and the output rows gathered by one pwritev straight from the mapped rows or the blocks.
+  scales them, and the output rows gathered by pwritev straight from the mapped rows or the blocks, in
+  calls of at most WRITE_BYTES (a larger call gets a large page-cache folio, slow to fill here).
   So an unscaled row is copied once, by the write, as `cp` copies it (reading the rows into a buffer
   first was 1.5x slower here; one copy_file_range per row segment was slower at every segment size from
   4 to 56 KB; a map per chunk instead of per band cost three times the mapping CPU; docs/scale.md);
