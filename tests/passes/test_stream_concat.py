@@ -406,55 +406,51 @@ def test_write_tensors_writes_each_tensor_at_its_offset(tmp_path, monkeypatch, s
     assert offsets == [4 + sum(map(len, expected[:i])) for i in range(len(expected))]
 
 
-def test_write_tensors_interleaves_the_tensors_in_proportion(tmp_path, monkeypatch):
-    """The writes of a fused gate (chunks scaled in memory) and of a plain weight (kernel copies) alternate,
-    each tensor advancing in proportion to its size, so one thread copies while the other scales."""
+def _recorded_writes(monkeypatch) -> list[tuple[str, int]]:
+    """Small jobs on one worker (the jobs' own order), and each write call as it comes: ("pwritev", fd) for a
+    write from memory, ("copy", fd) for a kernel copy."""
     monkeypatch.setattr(stream_concat, "COPY_BYTES", 96)
     monkeypatch.setattr(stream_concat, "MAP_BYTES", 64)
-    monkeypatch.setattr(stream_concat, "_WORKERS", 1)  # the jobs' own order
-    tensors, expected = _tensors(tmp_path)
-    writes: list[str] = []
+    monkeypatch.setattr(stream_concat, "_WORKERS", 1)
+    writes: list[tuple[str, int]] = []
     pwritev, copy = os.pwritev, os.copy_file_range
 
     def written(fd, buffers, offset):
-        writes.append("gate")
+        writes.append(("pwritev", fd))
         return pwritev(fd, buffers, offset)
 
-    def copied(*args):
-        writes.append("plain")
-        return copy(*args)
+    def copied(source, fd, *args):
+        writes.append(("copy", fd))
+        return copy(source, fd, *args)
 
     monkeypatch.setattr(os, "pwritev", written)
     monkeypatch.setattr(os, "copy_file_range", copied)
+    return writes
+
+
+def _longest_run(items: list) -> int:
+    return max(len(list(group)) for _, group in itertools.groupby(items))
+
+
+def test_write_tensors_interleaves_the_tensors_in_proportion(tmp_path, monkeypatch):
+    """The writes of a fused gate (chunks scaled in memory) and of a plain weight (kernel copies) alternate,
+    each tensor advancing in proportion to its size, so one thread copies while the other scales."""
+    writes = _recorded_writes(monkeypatch)
+    tensors, expected = _tensors(tmp_path)
     with open(tmp_path / "out.data", "wb") as file:
         stream_concat.write_tensors(file, tensors[:2])
     assert (tmp_path / "out.data").read_bytes() == b"".join(expected[:2])
     # 1280 bytes of gate in jobs of 64 (two rows): 20 writes; 1600 of plain in copies of 96: 17
-    runs = [len(list(group)) for _, group in itertools.groupby(writes)]
-    assert writes.count("plain") == 17 and max(runs) <= 3, writes
+    kinds = [kind for kind, _ in writes]
+    assert kinds.count("copy") == 17 and kinds.count("pwritev") == 20 and _longest_run(kinds) <= 3, kinds
 
 
 def test_write_files_writes_each_file_and_alternates_between_them(tmp_path, monkeypatch):
     """A model's data in several files, written at once: each file gets its tensors from where it stands,
     at the offsets returned, and the jobs alternate between the files (each advancing in proportion to its
     size), so that the two threads mostly write different files, which the kernel lets go on together."""
-    monkeypatch.setattr(stream_concat, "COPY_BYTES", 96)
-    monkeypatch.setattr(stream_concat, "MAP_BYTES", 64)
-    monkeypatch.setattr(stream_concat, "_WORKERS", 1)  # the jobs' own order
+    writes = _recorded_writes(monkeypatch)
     tensors, expected = _tensors(tmp_path)
-    writes: list[int] = []
-    pwritev, copy = os.pwritev, os.copy_file_range
-
-    def written(fd, buffers, offset):
-        writes.append(fd)
-        return pwritev(fd, buffers, offset)
-
-    def copied(source, fd, *args):
-        writes.append(fd)
-        return copy(source, fd, *args)
-
-    monkeypatch.setattr(os, "pwritev", written)
-    monkeypatch.setattr(os, "copy_file_range", copied)
     with open(tmp_path / "a.data", "wb") as first, open(tmp_path / "b.data", "wb") as second:
         first.write(b"head")
         offsets = stream_concat.write_files([(first, tensors[:1]), (second, tensors[1:])])
@@ -464,8 +460,8 @@ def test_write_files_writes_each_file_and_alternates_between_them(tmp_path, monk
     assert (tmp_path / "b.data").read_bytes() == b"".join(expected[1:])
     assert offsets == [[4], [0, len(expected[1]), len(expected[1]) + len(expected[2])]]
     # 20 writes of gate (1280 bytes in jobs of 64) against 17 copies of plain (1600 in 96) and two small
-    runs = [len(list(group)) for _, group in itertools.groupby(writes)]
-    assert set(writes) == set(fds) and len(writes) == 20 + 17 + 2 and max(runs) <= 3, writes
+    files = [fd for _, fd in writes]
+    assert set(files) == set(fds) and len(files) == 20 + 17 + 2 and _longest_run(files) <= 3, files
 
 
 def test_no_write_call_copies_more_than_write_bytes(tmp_path, monkeypatch):
