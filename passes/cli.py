@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
+
+from passes.errors import UserError
 
 
 def tool_parser(prog: str, description: str | None, epilog: str | None = None) -> argparse.ArgumentParser:
@@ -41,3 +44,23 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None, *at_least_one
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     return args
+
+
+def add_data_file_size(parser: argparse.ArgumentParser, output: str = "OUTPUT") -> None:
+    """--max-data-file-gb GB: external data in numbered files of at most GB each (passes/data_files.py)."""
+    parser.add_argument(
+        "--max-data-file-gb",
+        type=float,
+        default=0,
+        metavar="GB",
+        help="external data in numbered files of at most GB each, written at once, for hosts that limit "
+        f"a file's size (the Hugging Face Hub: 50 GB); default 0: one file, {output}.data",
+    )
+
+
+def data_file_bytes(args: argparse.Namespace) -> int | None:
+    """--max-data-file-gb in bytes (None: one file); a UserError (one line) for a value that is no size."""
+    size = args.max_data_file_gb
+    if not (math.isfinite(size) and size >= 0):
+        raise UserError(f"--max-data-file-gb {size:g}: give 0 (one file) or a size in GB")
+    return int(size * 1e9) or None

@@ -114,10 +114,12 @@ def shard_file(
     *,
     lm_head: str = "replicated",
     external_data: bool | None = None,
+    max_data_file_bytes: int | None = None,
     progress: bool = True,
 ) -> ShardReport:
-    """Write DIR/rank{r}/model.onnx (+ model.onnx.data) for every rank and DIR/tp.json: the source loaded
-    once per rank, rewritten by the ShardRank pass and saved before the next rank is loaded."""
+    """Write DIR/rank{r}/model.onnx (+ model.onnx.data, or numbered data files of at most
+    `max_data_file_bytes`) for every rank and DIR/tp.json: the source loaded once per rank, rewritten by
+    the ShardRank pass and saved before the next rank is loaded."""
     rank_passes = [ShardRank(tp, rank, lm_head) for rank in range(tp)]  # refuses a bad tp or lm_head first
     model_path, out_dir = Path(model_path), Path(out_dir)
     if out_dir.resolve() == model_path.parent.resolve():
@@ -137,7 +139,7 @@ def shard_file(
         path.parent.mkdir(parents=True, exist_ok=True)
         big = weight_bytes(model) > EXTERNAL_DATA_THRESHOLD
         external = external_data if external_data is not None else (source_external or big)
-        save_model(model, path, external)  # removes the data files of an earlier save there
+        save_model(model, path, external, max_data_file_bytes)  # removes an earlier save's data files
         files.append(path)
         del model
         bar(rank)

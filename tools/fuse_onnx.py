@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
 
 from passes.blocks import find_blocks
-from passes.cli import tool_parser
+from passes.cli import add_data_file_size, data_file_bytes, tool_parser
 from passes.display import format_block_table
 from passes.errors import UserError, run_cli
 from passes.model_io import load_model
@@ -39,14 +38,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "-o", "--output", type=Path, help="output path (default: MODEL.fused.onnx beside the input)"
     )
     parser.add_argument("--no-validate", action="store_true", help="skip the checker and the numeric checks")
-    parser.add_argument(
-        "--max-data-file-gb",
-        type=float,
-        default=0,
-        metavar="GB",
-        help="external data in numbered files of at most GB each, written at once, for hosts that limit "
-        "a file's size (the Hugging Face Hub: 50 GB); default 0: one file, OUTPUT.data",
-    )
+    add_data_file_size(parser)
     parser.add_argument("--show-blocks", action="store_true", help="print the block table and exit")
     parser.add_argument(
         "--json", action="store_true", help="machine-readable output (with --show-blocks/--verify)"
@@ -62,8 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--verify needs two models: --verify original.onnx fused.onnx")
     if not (args.show_blocks or args.verify) and args.plan is None:
         parser.error("a plan.json is required (or --show-blocks / --verify MODEL FUSED)")
-    if not (math.isfinite(args.max_data_file_gb) and args.max_data_file_gb >= 0):
-        raise UserError(f"--max-data-file-gb {args.max_data_file_gb:g}: give 0 (one file) or a size in GB")
+    args.max_data_file_bytes = data_file_bytes(args)
     args.fused = args.plan if args.verify else None
     return args
 
@@ -100,7 +91,7 @@ def fuse(args: argparse.Namespace) -> int:
         args.output,
         validate_output=not args.no_validate,
         log=lambda m: print(m, file=sys.stderr),
-        max_data_file_bytes=int(args.max_data_file_gb * 1e9),
+        max_data_file_bytes=args.max_data_file_bytes,
     )
     groups = (
         ", ".join(

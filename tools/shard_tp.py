@@ -5,7 +5,8 @@ Examples:
   python tools/shard_tp.py model.fused.onnx --tp 8 --out tp8/ --lm-head vocab
   python tools/shard_tp.py model.onnx model.fused.onnx --count
 
-Writes DIR/rank{r}/model.onnx (+ model.onnx.data) for r = 0..N-1 and DIR/tp.json (N, the rank files,
+Writes DIR/rank{r}/model.onnx (+ model.onnx.data, or numbered data files with --max-data-file-gb) for
+r = 0..N-1 and DIR/tp.json (N, the rank files,
 all-reduces per forward). Run the ranks on CPU with
   torchrun --nproc-per-node N tools/run_tp.py DIR --tokens ids.npy --out logits.npy
 """
@@ -17,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from passes.cli import tool_parser
+from passes.cli import add_data_file_size, data_file_bytes, tool_parser
 from passes.errors import UserError, run_cli
 
 
@@ -38,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="weights in model.onnx.data: auto = when the source has external data or is large",
     )
+    add_data_file_size(parser, "DIR/rank{r}/model.onnx")
     parser.add_argument("--count", action="store_true", help="only print all-reduces per forward pass")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
@@ -72,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     if not model.is_file():
         raise UserError(f"model {model} does not exist")
     external = {"auto": None, "yes": True, "no": False}[args.external_data]
+    max_data_file_bytes = data_file_bytes(args)
     before = count_allreduces(model)
     print(f"{model}: {before} all-reduces per forward pass{_plan_note(model)}")
     report = shard_file(
@@ -80,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out,
         lm_head=args.lm_head,
         external_data=external,
+        max_data_file_bytes=max_data_file_bytes,
         progress=not args.quiet and sys.stderr.isatty(),
     )
     for line in report.lines():

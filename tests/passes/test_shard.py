@@ -18,6 +18,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 
+from passes.data_files import data_file_names
 from passes.errors import UserError
 from passes.metrics import max_abs_relative_error
 from passes.shard import (
@@ -499,3 +500,36 @@ def test_cli_counts_and_shards(models: TpModels, tmp_path: Path) -> None:
         [*tool, str(models.gqa), "--tp", "3", "--out", str(tmp_path / "x")], capture_output=True, text=True
     )
     assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "--tp must be one of" in bad.stderr
+
+
+def test_cli_writes_each_rank_s_data_in_numbered_files(models: TpModels, tmp_path: Path) -> None:
+    """shard_tp.py --max-data-file-gb: every rank's weights in numbered files of at most the size (a
+    tensor above it alone in its file); the ranks compute bit for bit what one-file ranks compute."""
+    tool = [sys.executable, str(ROOT / "tools" / "shard_tp.py"), str(models.fused), "--tp", "2"]
+    run = subprocess.run(
+        [*tool, "--out", str(tmp_path / "parts"), "--external-data", "yes", "--max-data-file-gb", "0.00005"],
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stderr
+    shard_file(models.fused, 2, tmp_path / "one", external_data=True, progress=False)
+    for rank in range(2):
+        folder = tmp_path / "parts" / f"rank{rank}"
+        names = sorted(p.name for p in folder.iterdir() if p.name != "model.onnx")
+        assert len(names) > 2 and names == data_file_names("model.onnx", len(names)), names
+        assert sorted(p.name for p in (tmp_path / "one" / f"rank{rank}").iterdir()) == [
+            "model.onnx",
+            "model.onnx.data",
+        ]
+    ids = tokens()
+    np.testing.assert_array_equal(
+        run_simulated(tmp_path / "parts", ids), run_simulated(tmp_path / "one", ids)
+    )
+    bad = subprocess.run(
+        [*tool, "--out", str(tmp_path / "x"), "--max-data-file-gb", "-2"], capture_output=True, text=True
+    )
+    assert (
+        bad.returncode == 2
+        and bad.stderr.startswith("error: --max-data-file-gb -2: give 0")
+        and not (tmp_path / "x").exists()
+    )
