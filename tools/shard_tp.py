@@ -6,8 +6,7 @@ Examples:
   python tools/shard_tp.py model.onnx model.fused.onnx --count
 
 Writes DIR/rank{r}/model.onnx (+ model.onnx.data, or numbered data files with --max-data-file-gb) for
-r = 0..N-1 and DIR/tp.json (N, the rank files,
-all-reduces per forward). Run the ranks on CPU with
+r = 0..N-1 and DIR/tp.json (N, the rank files, all-reduces per forward). Run the ranks on CPU with
   torchrun --nproc-per-node N tools/run_tp.py DIR --tokens ids.npy --out logits.npy
 """
 
