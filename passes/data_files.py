@@ -34,6 +34,12 @@ def data_files(model: Path) -> list[Path]:
     return found
 
 
+def remove_data_files(model: Path, keep: Sequence[Path]) -> None:
+    """Remove the data files beside `model` that its name gives it, but those in `keep`."""
+    for stale in set(data_files(model)) - set(keep):
+        stale.unlink(missing_ok=True)
+
+
 def pack(sizes: Sequence[int], max_bytes: int | None) -> list[list[int]]:
     """The indices of the tensors of `sizes` that go to each file, in order (None or 0: one file)."""
     files: list[list[int]] = [[]]

@@ -11,7 +11,7 @@ import onnx
 import onnx_ir as ir
 from google.protobuf.message import DecodeError
 
-from passes.data_files import data_file_names, data_files, pack
+from passes.data_files import data_file_names, data_files, pack, remove_data_files
 from passes.errors import UserError
 from passes.staging import commit_output, staged_output  # noqa: F401  (re-exported)
 from passes.stream_concat import write_files
@@ -98,13 +98,14 @@ def save_model(
     path = Path(path)
     values = [value for graph in model.graphs() for value in graph.initializers.values()]
     tensors = [value.const_value for value in values]
-    reads_earlier = any(_reads_from(tensor, data_files(path)) for tensor in tensors)
+    earlier = data_files(path)
+    reads_earlier = any(_reads_from(tensor, earlier) for tensor in tensors)
     if not external or reads_earlier:
         # onnx-ir stages the data file itself when a tensor reads from a file it replaces (numbered files
         # it read from stay: the model in memory may still read them)
         ir.save(model, path, external_data=f"{path.name}.data" if external else None)
         if not reads_earlier:
-            _remove_stale(path, [f"{path.name}.data"] if external else [])
+            remove_data_files(path, keep=[path.with_name(f"{path.name}.data")] if external else [])
         return
     written = [(value, tensor) for value, tensor in zip(values, tensors, strict=True) if _external(tensor)]
     packed = pack([tensor.nbytes for _, tensor in written], max_file_bytes)
@@ -134,14 +135,7 @@ def save_model(
     finally:
         for value, tensor in zip(values, tensors, strict=True):
             value.const_value = tensor
-    _remove_stale(path, names)
-
-
-def _remove_stale(path: Path, kept: list[str]) -> None:
-    """Remove the data files of an earlier save to `path` that the model no longer names."""
-    for stale in data_files(path):
-        if stale.name not in kept:
-            stale.unlink(missing_ok=True)
+    remove_data_files(path, keep=[path.with_name(name) for name in names])
 
 
 def _external(tensor: ir.TensorProtocol | None) -> bool:

@@ -14,7 +14,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from passes.data_files import data_files
+from passes.data_files import data_files, remove_data_files
 
 # Above this size of committed data the emptied staging folder is removed by a detached process: removing
 # it frees a block, and a file system that discards freed blocks synchronously (ext4 mounted with
@@ -47,8 +47,7 @@ def commit_output(staged: Path, path: Path) -> None:
         os.replace(data, target)
         moved.append(target)
     os.replace(staged, path)
-    for stale in set(data_files(path)) - set(moved):
-        stale.unlink(missing_ok=True)
+    remove_data_files(path, keep=moved)
 
 
 def _committed_large(staging: Path, path: Path) -> bool:
