@@ -14,15 +14,17 @@ anyway; see _writing), so a thread builds a chunk while the other writes:
 
 - plain parts (whole rows, unscaled) of an axis-0 concatenation, and unchanged external tensors: kernel
   copies, file to file (copy_file_range), in COPY_BYTES pieces;
-- interleaved gate/up rows: a job per band of about MAP_BYTES of output rows. Each part's rows of the
-  band are mapped from its data file with MAP_POPULATE (page table entries for the file's cached pages in
-  one call, no copy and no page faults; unmapped when the band is written), then, chunk by chunk (about
-  CHUNK_BYTES, small enough to stay in a core's cache), scaled from the map into a block when "fold"
-  scales them, and the output rows gathered by pwritev straight from the mapped rows or the blocks, in
-  calls of at most WRITE_BYTES (a larger call gets a large page-cache folio, slow to fill here).
-  So an unscaled row is copied once, by the write, as `cp` copies it (reading the rows into a buffer
-  first was 1.5x slower here; one copy_file_range per row segment was slower at every segment size from
-  4 to 56 KB; a map per chunk instead of per band cost three times the mapping CPU; docs/scale.md);
+- interleaved gate/up rows: a job per band of about MAP_BYTES of output rows, built a chunk (about
+  CHUNK_BYTES) at a time in the thread's chunk buffer, the pages of a memfd: each part's rows read by
+  preadv straight into its columns of the chunk and, when "fold" scales them, scaled there in place; then
+  one sendfile copies the chunk into the output in the kernel, 64 KB at a time as `cp` copies
+  (_ChunkBuffer). Float16 rows are scaled by ONNX Runtime, which takes contiguous blocks only: those
+  parts' rows of the band are mapped from their data files with MAP_POPULATE (page table entries for the
+  cached pages in one call, no copy; unmapped when the band is written), scaled from the map into a
+  block, and the block copied into its columns. The gather this replaced, pwritev of each output row
+  straight from mapped rows in calls of at most WRITE_BYTES, spent a fifth of its CPU on Python and on
+  hand-offs between the threads (docs/scale.md, eighth pass); one copy_file_range per row segment was
+  slower at every segment size from 4 to 56 KB;
 - anything else (transposed or unpacked parts, in-memory tensors, row-stacked scaled parts): each part's
   rows read with `os.preadv` into a contiguous block, scaled there in place.
 
@@ -40,6 +42,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import ctypes
+import errno
 import functools
 import heapq
 import io
@@ -48,6 +51,7 @@ import mmap
 import os
 import stat
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import BinaryIO
@@ -57,7 +61,9 @@ import onnx_ir as ir
 
 from passes.file_copy import WRITE_BYTES, copy_range
 
-CHUNK_BYTES = 1 << 20  # a built chunk: small enough to stay in a core's cache while read, scaled, written
+# A built chunk. Each costs about 150 us of its own (Python, an ONNX Runtime run, a sendfile): 4 MB chunks
+# were 10-15% faster than 1 MB ones, 8 MB no faster (docs/scale.md, eighth pass).
+CHUNK_BYTES = 4 << 20
 Source = ir.TensorProtocol | np.ndarray  # a model's tensor (external data or in memory), or an array
 
 
@@ -416,14 +422,44 @@ class ConcatTensor(ir.LazyTensor):
             chunk = self.finish(np.concatenate(self._blocks(start, stop), axis=1))
             _pwrite_all(fd, [self._checked(chunk, stop - start)], at)
             return
-        # Each part's rows of the band mapped once (None: read chunk by chunk), then a chunk at a time:
-        # scaled from the maps, each output row gathered by the write (no interleaved copy in memory).
-        maps = [part.mapped_rows(start, stop, self._work_dtype()) for part in self.parts]
-        for first, last in self._steps(stop - start, self._width()):
+        # float16 rows scaled by ONNX Runtime are read from a map of the band's rows (mapped once per band);
+        # every other part is read straight into its columns of the chunk.
+        dtype, width, row_bytes = self._work_dtype(), self._width(), self._row_bytes()
+        maps = [
+            part.mapped_rows(start, stop, dtype) if _half_scaled(part, dtype) else None for part in self.parts
+        ]
+        for first, last in self._steps(stop - start, width):
+            buffer = _chunk_buffer((last - first) * row_bytes)
+            chunk = buffer.array(last - first, width, dtype)
             sources = [None if rows is None else rows[first:last] for rows in maps]
-            blocks = self._blocks(start + first, start + last, sources)
-            pieces = [block[row] for row in range(last - first) for block in blocks]
-            _pwrite_all(fd, pieces, at + first * self._row_bytes())
+            self._fill(chunk, start + first, start + last, sources)
+            buffer.write(fd, chunk.nbytes, at + first * row_bytes)
+
+    def _fill(self, chunk: np.ndarray, start: int, stop: int, sources: list[np.ndarray | None]) -> None:
+        """Rows start:stop of the concatenation into `chunk`: each part read into its columns and scaled
+        there in place, except float16 parts scaled by ONNX Runtime (contiguous blocks only), which are
+        scaled from `sources` (or a block read) into a block that is then copied into the columns."""
+        blocks, scales, inputs, targets = [], [], [], []
+        column = 0
+        for index, (part, source) in enumerate(zip(self.parts, sources, strict=True)):
+            view = chunk[:, column : column + part.shape[1]]
+            column += part.shape[1]
+            if _half_scaled(part, chunk.dtype):
+                block = _scratch(index, view.shape, view.dtype)
+                if source is None:
+                    part.read_into(block, start, stop)
+                blocks.append(block)
+                targets.append(view)
+            else:
+                part.read_into(view, start, stop)
+                blocks.append(view)
+                targets.append(None)
+            scales.append(part.row_scale(start, stop))
+            inputs.append(source)
+        scale_blocks(blocks, scales, inputs)
+        for block, target in zip(blocks, targets, strict=True):
+            if target is not None:
+                target[...] = block
 
     def _blocks(
         self, start: int, stop: int, sources: list[np.ndarray | None] | None = None
@@ -434,11 +470,14 @@ class ConcatTensor(ir.LazyTensor):
         scales = [part.row_scale(start, stop) for part in self.parts]
         sources = sources or [None] * len(self.parts)
         blocks = []
-        for part, source, scale in zip(self.parts, sources, scales, strict=True):
+        for index, (part, source, scale) in enumerate(zip(self.parts, sources, scales, strict=True)):
+            if source is not None and scale is None:
+                blocks.append(source)
+                continue
+            block = _scratch(index, (stop - start, part.shape[1]), dtype)
             if source is None:
-                blocks.append(part.read(start, stop, dtype, scaled=False))
-            else:
-                blocks.append(source if scale is None else np.empty_like(source))
+                part.read_into(block, start, stop)
+            blocks.append(block)
         scale_blocks(blocks, scales, sources)
         return blocks
 
@@ -480,6 +519,75 @@ class ConcatTensor(ir.LazyTensor):
         chunks = [chunk.view(np.uint8).reshape(-1) for chunk in self.chunks()]
         array = np.concatenate(chunks).view(self._numpy) if chunks else np.empty(0, self._numpy)
         return ir.tensor(array.reshape(tuple(self.shape)), dtype=self.dtype, name=self.name)
+
+
+_SCRATCH = threading.local()
+
+
+def _half_scaled(part: Part, dtype: np.dtype) -> bool:
+    """Whether the part's rows are scaled by ONNX Runtime (float16, see scale_blocks): contiguous blocks."""
+    return part.scale is not None and np.dtype(dtype) == np.float16
+
+
+class _ChunkBuffer:
+    """A thread's buffer for the chunk it builds, written into the output by one system call: the pages of a
+    memfd (a file in memory), which sendfile copies into the output file in the kernel, 64 KB at a time as
+    `cp` copies. The gathering pwritev calls it replaces wrote at most WRITE_BYTES each, and each paid a
+    return to Python and a hand-off of the interpreter lock between the two threads (with the Python
+    that built their buffer lists, 20-25% of a fusion's CPU time on two cores; docs/scale.md, eighth pass).
+    Without memfd (not Linux), or where sendfile refuses the output, plain memory written with pwritev."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.fd = os.memfd_create("ffn-fusion-chunk") if hasattr(os, "memfd_create") else None
+        if self.fd is None:
+            self.memory: mmap.mmap | bytearray = bytearray(nbytes)
+            return
+        weakref.finalize(self, os.close, self.fd)
+        os.ftruncate(self.fd, nbytes)
+        self.memory = mmap.mmap(self.fd, nbytes)
+
+    def array(self, rows: int, cols: int, dtype: np.dtype) -> np.ndarray:
+        return np.frombuffer(self.memory, dtype, rows * cols).reshape(rows, cols)
+
+    def write(self, fd: int, nbytes: int, at: int) -> None:
+        """Its first `nbytes` into `fd` at `at`."""
+        sent = 0
+        if self.fd is not None:
+            with _writing(fd):  # sendfile writes at the file's position: one writer at a time moves it
+                os.lseek(fd, at, os.SEEK_SET)
+                try:
+                    while sent < nbytes:
+                        count = os.sendfile(fd, self.fd, sent, nbytes - sent)
+                        if count == 0:
+                            raise OSError(errno.EIO, f"sendfile stopped at {sent} of {nbytes} bytes")
+                        sent += count
+                except OSError as error:
+                    if error.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+                        raise
+        if sent < nbytes:
+            _pwrite_all(fd, [np.frombuffer(self.memory, np.uint8, nbytes - sent, sent)], at + sent)
+
+
+def _chunk_buffer(nbytes: int) -> _ChunkBuffer:
+    """The calling thread's chunk buffer, at least `nbytes` large (see _scratch)."""
+    buffer = _SCRATCH.__dict__.get("chunk")
+    if buffer is None or buffer.nbytes < nbytes:
+        buffer = _SCRATCH.chunk = _ChunkBuffer(max(nbytes, CHUNK_BYTES))
+    return buffer
+
+
+def _scratch(index: int, shape: tuple[int, int], dtype: np.dtype) -> np.ndarray:
+    """The calling thread's block number `index`, reused from chunk to chunk (valid until the thread asks
+    for that index again). A new array per chunk cost a page fault for every 4 KB it held: malloc hands
+    blocks of this size back to the system when they are freed, and first touches of fresh pages are
+    slow on this VM (docs/scale.md, eighth pass)."""
+    buffers = _SCRATCH.__dict__.setdefault("buffers", {})
+    nbytes = shape[0] * shape[1] * np.dtype(dtype).itemsize
+    buffer = buffers.get(index)
+    if buffer is None or buffer.nbytes < nbytes:
+        buffer = buffers[index] = np.empty(nbytes, np.uint8)
+    return buffer[:nbytes].view(dtype).reshape(shape)
 
 
 _WORKERS = 2  # threads running write jobs (preadv, ONNX Runtime, numpy and the kernel copies release the GIL)

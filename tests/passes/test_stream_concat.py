@@ -6,6 +6,7 @@ import errno
 import io
 import itertools
 import os
+import threading
 from pathlib import Path
 
 import ml_dtypes
@@ -230,14 +231,14 @@ def _copy_calls(monkeypatch) -> list[int]:
 
 
 @pytest.mark.parametrize(("chunk_bytes", "map_bytes"), [(None, None), (50, None), (50, 130)])
-def test_interleaved_plain_rows_go_through_memory_in_cache_sized_chunks(
+def test_interleaved_plain_rows_are_read_into_a_chunk_and_sent_in_one_call(
     tmp_path, monkeypatch, chunk_bytes, map_bytes
 ):
     """ "last" gate/up: every output row is the parts' rows side by side. Plain external rows (one of them a
-    row range of a taller matrix, at odd offsets and odd row lengths) are mapped a band of rows at a time
-    (MAP_BYTES; 130: several bands of several chunks), not read into buffers, and gathered by pwritev,
-    into a file between other bytes, with no kernel copy (slower per segment); no map outlives the
-    write."""
+    row range of a taller matrix, at odd offsets and odd row lengths) are read by preadv straight into
+    their columns of the chunk (MAP_BYTES a job; 130: several jobs of several chunks), and each chunk goes
+    into the file, between other bytes, by one sendfile from the thread's memfd: no kernel copy per row
+    segment (slower), no pwritev, no map of the sources."""
     if map_bytes is not None:
         monkeypatch.setattr(stream_concat, "MAP_BYTES", map_bytes)
     rng = np.random.default_rng(11)
@@ -252,17 +253,49 @@ def test_interleaved_plain_rows_go_through_memory_in_cache_sized_chunks(
     tensor = ConcatTensor(parts, 1, ir.DataType.FLOAT16, expected.shape, "gate", chunk_bytes=chunk_bytes)
     calls = _copy_calls(monkeypatch)
     reads = _preadv_calls(monkeypatch)
+    writes = _recorded_writes(monkeypatch, small_jobs=False)
     assert _written(tensor, tmp_path) == expected.tobytes()
-    assert calls == [] and reads == []
+    chunks = 1 if chunk_bytes is None else -(-9 // (50 // (15 * 2)))  # rows per chunk: 50 // row bytes
+    assert calls == [] and len(reads) == 3 * chunks
+    assert [kind for kind, _ in writes] == ["sendfile"] * chunks
     assert str(tmp_path) not in Path("/proc/self/maps").read_text()
 
 
-def _preadv_calls(monkeypatch) -> list[int]:
-    calls: list[int] = []
+@pytest.mark.parametrize("failure", ["no memfd", "sendfile refused"])
+def test_chunks_without_memfd_or_sendfile_are_written_from_memory(tmp_path, monkeypatch, failure):
+    """Where there is no memfd (not Linux), or sendfile refuses the output file, the chunk's bytes go
+    from plain memory with pwritev: the same bytes."""
+    if failure == "no memfd":
+        monkeypatch.delattr(os, "memfd_create")
+    else:
+
+        def refused(*args):
+            raise OSError(errno.EINVAL, "Invalid argument")
+
+        monkeypatch.setattr(os, "sendfile", refused)
+    monkeypatch.setattr(stream_concat, "_SCRATCH", threading.local())  # no chunk buffer made before
+    rng = np.random.default_rng(14)
+    mats = [rng.standard_normal((9, c)).astype(np.float32) for c in (5, 3)]
+    scale = rng.uniform(0.5, 1.5, 9).astype(np.float32)
+    parts = [
+        Part(_external(mats[0], tmp_path, "a"), 9, 5, scale=scale),
+        Part(_external(mats[1], tmp_path, "b"), 9, 3),
+    ]
+    expected = np.concatenate([_fold(mats[0], scale, 0), mats[1]], axis=1)
+    tensor = ConcatTensor(parts, 1, ir.DataType.FLOAT, expected.shape, "gate", chunk_bytes=64)
+    writes = _recorded_writes(monkeypatch, small_jobs=False)
+    assert _written(tensor, tmp_path) == expected.tobytes()
+    refused = {"sendfile"} if failure == "sendfile refused" else set()  # tried for each chunk, refused
+    assert {kind for kind, _ in writes} == {"pwritev"} | refused
+
+
+def _preadv_calls(monkeypatch) -> list[tuple[str, int]]:
+    """(file, offset) of each preadv from now on."""
+    calls: list[tuple[str, int]] = []
     preadv = os.preadv
 
     def counted(fd, buffers, offset):
-        calls.append(offset)
+        calls.append((os.readlink(f"/proc/self/fd/{fd}"), offset))
         return preadv(fd, buffers, offset)
 
     monkeypatch.setattr(os, "preadv", counted)
@@ -282,9 +315,10 @@ def test_plain_parts_one_after_the_other_are_copied_by_the_kernel_in_pieces(tmp_
 
 
 @pytest.mark.parametrize("map_bytes", [None, 60])
-def test_scaled_rows_are_scaled_from_their_maps(tmp_path, monkeypatch, map_bytes):
-    """ "fold" on some parts only: a scaled part is scaled from its mapped rows into a block (no read
-    into a buffer first), the other is gathered straight from its map; in one band or in several."""
+def test_float16_scaled_rows_are_scaled_from_their_maps(tmp_path, monkeypatch, map_bytes):
+    """ "fold" on some parts only: a float16 scaled part goes through ONNX Runtime (contiguous blocks only),
+    so it is scaled from its mapped rows (mapped once per job) into a block, which is then copied into its
+    columns; the unscaled part is read straight into its columns. In one job or in several."""
     if map_bytes is not None:
         monkeypatch.setattr(stream_concat, "MAP_BYTES", map_bytes)
     rng = np.random.default_rng(12)
@@ -296,7 +330,7 @@ def test_scaled_rows_are_scaled_from_their_maps(tmp_path, monkeypatch, map_bytes
     tensor = ConcatTensor(parts, 1, ir.DataType.FLOAT16, expected.shape, "gate", chunk_bytes=40)
     reads = _preadv_calls(monkeypatch)
     assert _written(tensor, tmp_path) == expected.tobytes()
-    assert reads == []
+    assert reads and {Path(path).name for path, _ in reads} == {"m1.data"}
 
 
 @pytest.mark.parametrize("axis", [0, 1])
@@ -406,14 +440,20 @@ def test_write_tensors_writes_each_tensor_at_its_offset(tmp_path, monkeypatch, s
     assert offsets == [4 + sum(map(len, expected[:i])) for i in range(len(expected))]
 
 
-def _recorded_writes(monkeypatch) -> list[tuple[str, int]]:
-    """Small jobs on one worker (the jobs' own order), and each write call as it comes: ("pwritev", fd) for a
-    write from memory, ("copy", fd) for a kernel copy."""
-    monkeypatch.setattr(stream_concat, "COPY_BYTES", 96)
-    monkeypatch.setattr(stream_concat, "MAP_BYTES", 64)
-    monkeypatch.setattr(stream_concat, "_WORKERS", 1)
+def _recorded_writes(monkeypatch, small_jobs: bool = True) -> list[tuple[str, int]]:
+    """Each write call as it comes: ("pwritev", fd) for a write from memory, ("sendfile", fd) for a chunk
+    sent from its memfd, ("copy", fd) for a kernel copy; with `small_jobs`, small jobs on one worker (the
+    jobs' own order)."""
+    if small_jobs:
+        monkeypatch.setattr(stream_concat, "COPY_BYTES", 96)
+        monkeypatch.setattr(stream_concat, "MAP_BYTES", 64)
+        monkeypatch.setattr(stream_concat, "_WORKERS", 1)
     writes: list[tuple[str, int]] = []
-    pwritev, copy = os.pwritev, os.copy_file_range
+    pwritev, copy, sendfile = os.pwritev, os.copy_file_range, os.sendfile
+
+    def sent(fd, *args):
+        writes.append(("sendfile", fd))
+        return sendfile(fd, *args)
 
     def written(fd, buffers, offset):
         writes.append(("pwritev", fd))
@@ -425,6 +465,7 @@ def _recorded_writes(monkeypatch) -> list[tuple[str, int]]:
 
     monkeypatch.setattr(os, "pwritev", written)
     monkeypatch.setattr(os, "copy_file_range", copied)
+    monkeypatch.setattr(os, "sendfile", sent)
     return writes
 
 
@@ -442,7 +483,7 @@ def test_write_tensors_interleaves_the_tensors_in_proportion(tmp_path, monkeypat
     assert (tmp_path / "out.data").read_bytes() == b"".join(expected[:2])
     # 1280 bytes of gate in jobs of 64 (two rows): 20 writes; 1600 of plain in copies of 96: 17
     kinds = [kind for kind, _ in writes]
-    assert kinds.count("copy") == 17 and kinds.count("pwritev") == 20 and _longest_run(kinds) <= 3, kinds
+    assert kinds.count("copy") == 17 and kinds.count("sendfile") == 20 and _longest_run(kinds) <= 3, kinds
 
 
 def test_write_files_writes_each_file_and_alternates_between_them(tmp_path, monkeypatch):
@@ -485,3 +526,21 @@ def test_no_write_call_copies_more_than_write_bytes(tmp_path, monkeypatch):
     assert (tmp_path / "out.data").read_bytes() == b"\0" * 5 + b"".join(a.tobytes() for a in arrays)
     assert max(size for size, _ in calls) == 1000 and max(count for _, count in calls) <= 7
     assert sum(size for size, _ in calls) == sum(a.size for a in arrays)
+
+
+def test_scratch_blocks_are_reused_per_thread_and_grow():
+    """A chunk's scaled blocks come from its thread's buffers, the same memory chunk after chunk (a new
+    array per chunk faulted in every page again); a larger block grows the buffer; threads never share."""
+    import concurrent.futures
+
+    first = stream_concat._scratch(0, (4, 8), np.float32)
+    again = stream_concat._scratch(0, (2, 8), np.float16)
+    assert again.shape == (2, 8) and again.dtype == np.float16
+    assert again.ctypes.data == first.ctypes.data
+    other = stream_concat._scratch(1, (4, 8), np.float32)
+    assert not np.shares_memory(other, first)
+    grown = stream_concat._scratch(0, (64, 64), np.float32)
+    assert grown.shape == (64, 64) and grown.flags.c_contiguous
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        theirs = pool.submit(stream_concat._scratch, 0, (64, 64), np.float32).result()
+    assert not np.shares_memory(theirs, grown)
