@@ -14,17 +14,16 @@ anyway; see _writing), so a thread builds a chunk while the other writes:
 
 - plain parts (whole rows, unscaled) of an axis-0 concatenation, and unchanged external tensors: kernel
   copies, file to file (copy_file_range), in COPY_BYTES pieces;
-- interleaved gate/up rows: a job per band of about MAP_BYTES of output rows, built a chunk (about
-  CHUNK_BYTES) at a time in the thread's chunk buffer, the pages of a memfd: each part's rows read by
-  preadv straight into its columns of the chunk and, when "fold" scales them, scaled there in place; then
-  one sendfile copies the chunk into the output in the kernel, 64 KB at a time as `cp` copies
-  (_ChunkBuffer). Float16 rows are scaled by ONNX Runtime, which takes contiguous blocks only: those
-  parts' rows of the band are mapped from their data files with MAP_POPULATE (page table entries for the
-  cached pages in one call, no copy; unmapped when the band is written), scaled from the map into a
-  block, and the block copied into its columns. The gather this replaced, pwritev of each output row
-  straight from mapped rows in calls of at most WRITE_BYTES, spent a fifth of its CPU on Python and on
-  hand-offs between the threads (docs/scale.md, eighth pass); one copy_file_range per row segment was
-  slower at every segment size from 4 to 56 KB;
+- interleaved gate/up rows: a job per band of about BAND_BYTES of output rows, built a chunk (about
+  CHUNK_BYTES) at a time in the thread's chunk buffer, the pages of a memfd. Each part's rows go into
+  its columns of the chunk with one copy from the page cache: plain rows by preadv; rows that "fold"
+  scales by the multiply itself, from the band's rows mapped from their data file with MAP_POPULATE
+  (page table entries for the cached pages in one call, no copy; unmapped when the band is written;
+  float16 row by row, each row being contiguous, see scale_blocks). Then one sendfile copies the chunk
+  into the output in the kernel, 64 KB at a time as `cp` copies (_ChunkBuffer). The gather this
+  replaced, pwritev of each output row straight from mapped rows in calls of at most WRITE_BYTES, spent
+  a fifth of its CPU on Python and on hand-offs between the threads (docs/scale.md, eighth pass); one
+  copy_file_range per row segment was slower at every segment size from 4 to 56 KB;
 - anything else (transposed or unpacked parts, in-memory tensors, row-stacked scaled parts): each part's
   rows read with `os.preadv` into a contiguous block, scaled there in place.
 
@@ -131,7 +130,7 @@ class Part:
         if _numpy_dtype(self.tensor) != dtype or stop <= start:
             return None
         first = self.row_range[0] if self.row_range is not None else 0
-        return map_rows(self.tensor, self.cols, first + start, stop - start)
+        return map_rows(self.tensor, self.cols, first + start, stop - start, populate=True)
 
     def row_scale(self, start: int, stop: int) -> np.ndarray | None:
         """The scale of rows start:stop, shaped to broadcast over them (None: not scaled)."""
@@ -181,10 +180,12 @@ def scale_blocks(
 
     float16 goes through ONNX Runtime's Cast -> Mul -> Cast, which converts with F16C/AVX2 (MLAS): numpy
     2.4 converts float16 element by element, 4-7x slower here, which made half-precision "fold" CPU-bound
-    (measured in docs/scale.md). All the float16 blocks of a chunk go through one run: a run costs tens of
-    microseconds of its own, and one per block was a third of the scale's CPU time. Same IEEE operations,
-    so the same bits (tests/passes/test_stream_concat.py compares them with numpy's for every float16
-    value). bfloat16 (ml_dtypes) and float32 convert fast in numpy: one buffered pass, no float32 copy.
+    (measured in docs/scale.md). ONNX Runtime takes contiguous buffers only, so a block that is a view of a
+    wider chunk (a part's columns) goes row by row, each row contiguous, scaled into where it lies; all of
+    them in runs of up to _HALF_RUN rows, since a run costs tens of microseconds of its own (a run per
+    block was a third of the scale's CPU time). Same IEEE operations, so the same bits
+    (tests/passes/test_stream_concat.py compares them with numpy's for every float16 value). bfloat16
+    (ml_dtypes) and float32 convert fast in numpy: one buffered pass, strided or not, no float32 copy.
     """
     half: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
     for block, source, scale in zip(blocks, sources or [None] * len(blocks), scales, strict=True):
@@ -194,29 +195,36 @@ def scale_blocks(
         scale = np.ascontiguousarray(scale, np.float32)
         # A NaN scale times a NaN weight: x86 keeps the first operand's payload, and the operand order
         # differs between numpy and ONNX Runtime; numpy decides there.
-        if block.dtype == np.float16 and not np.isnan(scale).any():
-            half.append((block, source, scale))
-        else:
+        if block.dtype != np.float16 or np.isnan(scale).any():
             np.multiply(source, scale, out=block, dtype=np.float32, casting="unsafe")
-    if half:
-        _half_fold(half)
+        elif block.flags.c_contiguous:
+            half.append((block, source, scale))
+        elif block.strides[-1] == block.itemsize:  # rows contiguous: each scaled into where it lies
+            for row in range(len(block)):  # a scale is [rows, 1] or [1, cols]
+                row_scale = scale[row : row + 1] if len(scale) > 1 else scale
+                half.append((block[row : row + 1], source[row : row + 1], row_scale))
+        else:
+            contiguous = np.ascontiguousarray(source)
+            _half_fold([(contiguous, contiguous, scale)])
+            block[...] = contiguous
+    for first in range(0, len(half), _HALF_RUN):
+        _half_fold(half[first : first + _HALF_RUN])
+
+
+_HALF_RUN = 64  # blocks (or rows) scaled by one ONNX Runtime run: a run's graph holds 3 nodes per block
 
 
 def _half_fold(triples: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
-    """One ONNX Runtime run over every (float16 block, its float16 source, float32 scale)."""
+    """One ONNX Runtime run over every (contiguous float16 block, its float16 source, float32 scale)."""
     with _LOAD:  # built once per count, by whichever chunk builder comes first
         session = _half_fold_session(len(triples))
     binding = session.io_binding()
-    outputs = [out if out.flags.c_contiguous else np.empty_like(out) for out, _, _ in triples]
-    for i, (output, (_, source, scale)) in enumerate(zip(outputs, triples, strict=True)):
+    for i, (block, source, scale) in enumerate(triples):
         # Elementwise, so in place works too: each value is read before it is written. No allocation.
         binding.bind_cpu_input(f"w{i}", np.ascontiguousarray(source))
         binding.bind_cpu_input(f"g{i}", scale)
-        binding.bind_output(f"y{i}", "cpu", 0, np.float16, list(output.shape), output.ctypes.data)
+        binding.bind_output(f"y{i}", "cpu", 0, np.float16, list(block.shape), block.ctypes.data)
     session.run_with_iobinding(binding)
-    for output, (out, _, _) in zip(outputs, triples, strict=True):
-        if output is not out:  # a strided view was scaled into a contiguous block
-            out[...] = output
 
 
 @functools.cache
@@ -274,7 +282,7 @@ def read_rows_into(tensor: Source, cols: int, start: int, out: np.ndarray) -> No
 
 
 def map_rows(
-    tensor: ir.ExternalTensor, cols: int, first: int, count: int, populate: bool = True
+    tensor: ir.ExternalTensor, cols: int, first: int, count: int, populate: bool = False
 ) -> np.ndarray:
     """Rows first:first + count of `tensor` viewed as [., cols]: a read-only view of its data file's pages,
     unmapped when the last view of it is released. `populate`: MAP_POPULATE, the cached pages enter the
@@ -299,7 +307,7 @@ _MAPPED_ROWS_BYTES = 16 << 20  # file pages read_columns keeps mapped at a time
 
 def read_columns(tensor: Source, rows: int, cols: int, start: int, stop: int) -> np.ndarray:
     """Columns start:stop of `tensor` viewed as [rows, cols], as a new [rows, stop - start] array. External
-    data is mapped a band of rows at a time (map_rows, not populated: only the columns' pages are read),
+    data is mapped a band of rows at a time (map_rows: only the columns' pages are read),
     each band unmapped before the next, so memory stays near the result whatever the matrix size."""
     if not isinstance(tensor, ir.ExternalTensor):
         return np.array(_array(tensor).reshape(rows, cols)[:, start:stop])
@@ -307,7 +315,7 @@ def read_columns(tensor: Source, rows: int, cols: int, start: int, stop: int) ->
     band = max(1, _MAPPED_ROWS_BYTES // (cols * out.itemsize))
     for first in range(0, rows, band):
         count = min(band, rows - first)
-        out[first : first + count] = map_rows(tensor, cols, first, count, populate=False)[:, start:stop]
+        out[first : first + count] = map_rows(tensor, cols, first, count)[:, start:stop]
     return out
 
 
@@ -401,7 +409,7 @@ class ConcatTensor(ir.LazyTensor):
                         yield Write((stop - start) * row_bytes, job)
                 at += part.shape[0] * row_bytes
             return
-        band = MAP_BYTES if self.finish is None else None  # rows mapped per job, written chunk by chunk
+        band = BAND_BYTES if self.finish is None else None  # a job's rows, built chunk by chunk
         for start, stop in self._steps(self.parts[0].shape[0], self._width(), band):
             job = functools.partial(self._side_by_side_at, start, stop, fd, base + start * row_bytes)
             yield Write((stop - start) * row_bytes, job)
@@ -422,63 +430,28 @@ class ConcatTensor(ir.LazyTensor):
             chunk = self.finish(np.concatenate(self._blocks(start, stop), axis=1))
             _pwrite_all(fd, [self._checked(chunk, stop - start)], at)
             return
-        # float16 rows scaled by ONNX Runtime are read from a map of the band's rows (mapped once per band);
-        # every other part is read straight into its columns of the chunk.
+        # Scaled parts are scaled from their rows of the band, mapped once, into their columns of each
+        # chunk; the others are read into their columns. Either way one copy from the page cache.
         dtype, width, row_bytes = self._work_dtype(), self._width(), self._row_bytes()
-        maps = [
-            part.mapped_rows(start, stop, dtype) if _half_scaled(part, dtype) else None for part in self.parts
-        ]
+        maps = [None if part.scale is None else part.mapped_rows(start, stop, dtype) for part in self.parts]
         for first, last in self._steps(stop - start, width):
             buffer = _chunk_buffer((last - first) * row_bytes)
             chunk = buffer.array(last - first, width, dtype)
-            sources = [None if rows is None else rows[first:last] for rows in maps]
-            self._fill(chunk, start + first, start + last, sources)
+            column, views, sources = 0, [], []
+            for part, rows in zip(self.parts, maps, strict=True):
+                views.append(chunk[:, column : column + part.shape[1]])
+                column += part.shape[1]
+                sources.append(None if rows is None else rows[first:last])
+                if rows is None:
+                    part.read_into(views[-1], start + first, start + last)
+            scales = [part.row_scale(start + first, start + last) for part in self.parts]
+            scale_blocks(views, scales, sources)
             buffer.write(fd, chunk.nbytes, at + first * row_bytes)
 
-    def _fill(self, chunk: np.ndarray, start: int, stop: int, sources: list[np.ndarray | None]) -> None:
-        """Rows start:stop of the concatenation into `chunk`: each part read into its columns and scaled
-        there in place, except float16 parts scaled by ONNX Runtime (contiguous blocks only), which are
-        scaled from `sources` (or a block read) into a block that is then copied into the columns."""
-        blocks, scales, inputs, targets = [], [], [], []
-        column = 0
-        for index, (part, source) in enumerate(zip(self.parts, sources, strict=True)):
-            view = chunk[:, column : column + part.shape[1]]
-            column += part.shape[1]
-            if _half_scaled(part, chunk.dtype):
-                block = _scratch(index, view.shape, view.dtype)
-                if source is None:
-                    part.read_into(block, start, stop)
-                blocks.append(block)
-                targets.append(view)
-            else:
-                part.read_into(view, start, stop)
-                blocks.append(view)
-                targets.append(None)
-            scales.append(part.row_scale(start, stop))
-            inputs.append(source)
-        scale_blocks(blocks, scales, inputs)
-        for block, target in zip(blocks, targets, strict=True):
-            if target is not None:
-                target[...] = block
-
-    def _blocks(
-        self, start: int, stop: int, sources: list[np.ndarray | None] | None = None
-    ) -> list[np.ndarray]:
-        """Rows start:stop of each part, scaled: from its rows in `sources` when given there (mapped rows:
-        as they are, or scaled into a new block), else read into a contiguous block and scaled in place."""
-        dtype = self._work_dtype()
-        scales = [part.row_scale(start, stop) for part in self.parts]
-        sources = sources or [None] * len(self.parts)
-        blocks = []
-        for index, (part, source, scale) in enumerate(zip(self.parts, sources, scales, strict=True)):
-            if source is not None and scale is None:
-                blocks.append(source)
-                continue
-            block = _scratch(index, (stop - start, part.shape[1]), dtype)
-            if source is None:
-                part.read_into(block, start, stop)
-            blocks.append(block)
-        scale_blocks(blocks, scales, sources)
+    def _blocks(self, start: int, stop: int) -> list[np.ndarray]:
+        """Rows start:stop of each part, read into a new block each and scaled there in place."""
+        blocks = [part.read(start, stop, self._work_dtype(), scaled=False) for part in self.parts]
+        scale_blocks(blocks, [part.row_scale(start, stop) for part in self.parts])
         return blocks
 
     def _checked(self, chunk: np.ndarray, rows: int) -> np.ndarray:
@@ -521,12 +494,7 @@ class ConcatTensor(ir.LazyTensor):
         return ir.tensor(array.reshape(tuple(self.shape)), dtype=self.dtype, name=self.name)
 
 
-_SCRATCH = threading.local()
-
-
-def _half_scaled(part: Part, dtype: np.dtype) -> bool:
-    """Whether the part's rows are scaled by ONNX Runtime (float16, see scale_blocks): contiguous blocks."""
-    return part.scale is not None and np.dtype(dtype) == np.float16
+_THREAD = threading.local()
 
 
 class _ChunkBuffer:
@@ -570,29 +538,17 @@ class _ChunkBuffer:
 
 
 def _chunk_buffer(nbytes: int) -> _ChunkBuffer:
-    """The calling thread's chunk buffer, at least `nbytes` large (see _scratch)."""
-    buffer = _SCRATCH.__dict__.get("chunk")
+    """The calling thread's chunk buffer, at least `nbytes` large, reused from chunk to chunk (new memory
+    per chunk cost a page fault for every 4 KB, slow on this VM: docs/scale.md, eighth pass)."""
+    buffer = _THREAD.__dict__.get("chunk")
     if buffer is None or buffer.nbytes < nbytes:
-        buffer = _SCRATCH.chunk = _ChunkBuffer(max(nbytes, CHUNK_BYTES))
+        buffer = _THREAD.chunk = _ChunkBuffer(max(nbytes, CHUNK_BYTES))
     return buffer
-
-
-def _scratch(index: int, shape: tuple[int, int], dtype: np.dtype) -> np.ndarray:
-    """The calling thread's block number `index`, reused from chunk to chunk (valid until the thread asks
-    for that index again). A new array per chunk cost a page fault for every 4 KB it held: malloc hands
-    blocks of this size back to the system when they are freed, and first touches of fresh pages are
-    slow on this VM (docs/scale.md, eighth pass)."""
-    buffers = _SCRATCH.__dict__.setdefault("buffers", {})
-    nbytes = shape[0] * shape[1] * np.dtype(dtype).itemsize
-    buffer = buffers.get(index)
-    if buffer is None or buffer.nbytes < nbytes:
-        buffer = buffers[index] = np.empty(nbytes, np.uint8)
-    return buffer[:nbytes].view(dtype).reshape(shape)
 
 
 _WORKERS = 2  # threads running write jobs (preadv, ONNX Runtime, numpy and the kernel copies release the GIL)
 COPY_BYTES = 8 << 20  # bytes per kernel-copy job
-MAP_BYTES = 8 << 20  # output bytes per interleaved-rows job: its rows of each part mapped at once
+BAND_BYTES = 8 << 20  # output bytes per interleaved-rows job (built and written CHUNK_BYTES at a time)
 
 
 def write_tensors(file, tensors: Sequence[ir.TensorProtocol]) -> list[int]:

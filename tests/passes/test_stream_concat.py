@@ -184,9 +184,12 @@ def test_float16_fold_equals_numpy_bit_for_bit():
             assert not wide[:, :20].any() and not wide[:, 276:].any()
 
 
-def test_a_chunks_blocks_are_scaled_together_as_each_alone(monkeypatch):
-    """scale_blocks: float16 blocks (contiguous or a view) in one ONNX Runtime run, the others (bfloat16,
-    float32, a NaN scale) in numpy, a None scale left alone: each block's bits as numpy gives them."""
+@pytest.mark.parametrize("half_run", [64, 4])
+def test_a_chunks_blocks_are_scaled_together_as_each_alone(monkeypatch, half_run):
+    """scale_blocks: float16 blocks in ONNX Runtime runs of at most _HALF_RUN blocks or rows (a view of a
+    wider chunk row by row, each row where it lies; a view whose rows are not contiguous through a copy),
+    the others (bfloat16, float32, a NaN scale) in numpy, a None scale left alone: each block's bits as numpy
+    gives them, the columns around the views untouched."""
     import ml_dtypes
 
     import passes.stream_concat
@@ -194,27 +197,39 @@ def test_a_chunks_blocks_are_scaled_together_as_each_alone(monkeypatch):
     rng = np.random.default_rng(3)
     runs = []
     fold = passes.stream_concat._half_fold
-    monkeypatch.setattr(passes.stream_concat, "_half_fold", lambda triples: runs.append(fold(triples)))
+    monkeypatch.setattr(passes.stream_concat, "_HALF_RUN", half_run)
+    monkeypatch.setattr(passes.stream_concat, "_half_fold", lambda pair: runs.append(len(pair)) or fold(pair))
     wide = rng.standard_normal((5, 40)).astype(np.float16)
+    around = wide.copy()
+    column_scale = rng.uniform(-2, 2, (1, 8)).astype(np.float32)  # scaled along the other axis
     blocks = [
         rng.standard_normal((5, 7)).astype(np.float16),
-        wide[:, 3:11],  # a strided view
+        wide[:, 3:11],  # a strided view, its rows contiguous
+        wide[:, 20:36:2],  # a view whose rows are not contiguous
         rng.standard_normal((5, 9)).astype(ml_dtypes.bfloat16),
         rng.standard_normal((5, 4)).astype(np.float32),
         rng.standard_normal((5, 6)).astype(np.float16),  # NaN scale: numpy decides
         rng.standard_normal((5, 3)).astype(np.float16),  # no scale
     ]
+    expected_blocks = [b.copy() for b in blocks]
     scales = [rng.uniform(-2, 2, (5, 1)).astype(np.float32) for _ in blocks]
-    scales[4][2] = np.nan
-    scales[5] = None
+    scales[2] = column_scale
+    scales[5][2] = np.nan
+    scales[6] = None
     with np.errstate(invalid="ignore"):
-        pairs = zip(blocks, scales, strict=True)
+        pairs = zip(expected_blocks, scales, strict=True)
         expected = [b if g is None else (b.astype(np.float32) * g).astype(b.dtype) for b, g in pairs]
         scale_blocks(blocks, scales)
-    assert len(runs) == 1  # the two float16 blocks with finite scales, together
+    # float16 with finite scales: the block, the view's 5 rows, the strided view (copied, one more run)
+    assert sum(runs) == 1 + 5 + 1 and max(runs) <= half_run
+    assert len(runs) == (2 if half_run == 64 else 3)
     for block, want in zip(blocks, expected, strict=True):
         assert block.tobytes() == want.tobytes()
     assert wide[:, 3:11].tobytes() == expected[1].tobytes()
+    assert wide[:, 20:36:2].tobytes() == expected[2].tobytes()
+    untouched = np.ones(40, bool)
+    untouched[3:11] = untouched[20:36:2] = False
+    assert wide[:, untouched].tobytes() == around[:, untouched].tobytes()
 
 
 def _copy_calls(monkeypatch) -> list[int]:
@@ -230,17 +245,17 @@ def _copy_calls(monkeypatch) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize(("chunk_bytes", "map_bytes"), [(None, None), (50, None), (50, 130)])
+@pytest.mark.parametrize(("chunk_bytes", "band_bytes"), [(None, None), (50, None), (50, 130)])
 def test_interleaved_plain_rows_are_read_into_a_chunk_and_sent_in_one_call(
-    tmp_path, monkeypatch, chunk_bytes, map_bytes
+    tmp_path, monkeypatch, chunk_bytes, band_bytes
 ):
     """ "last" gate/up: every output row is the parts' rows side by side. Plain external rows (one of them a
     row range of a taller matrix, at odd offsets and odd row lengths) are read by preadv straight into
-    their columns of the chunk (MAP_BYTES a job; 130: several jobs of several chunks), and each chunk goes
+    their columns of the chunk (BAND_BYTES a job; 130: several jobs of several chunks), and each chunk goes
     into the file, between other bytes, by one sendfile from the thread's memfd: no kernel copy per row
     segment (slower), no pwritev, no map of the sources."""
-    if map_bytes is not None:
-        monkeypatch.setattr(stream_concat, "MAP_BYTES", map_bytes)
+    if band_bytes is not None:
+        monkeypatch.setattr(stream_concat, "BAND_BYTES", band_bytes)
     rng = np.random.default_rng(11)
     mats = [rng.standard_normal((9, c)).astype(np.float16) for c in (5, 3)]
     tall = rng.standard_normal((13, 7)).astype(np.float16)
@@ -273,7 +288,7 @@ def test_chunks_without_memfd_or_sendfile_are_written_from_memory(tmp_path, monk
             raise OSError(errno.EINVAL, "Invalid argument")
 
         monkeypatch.setattr(os, "sendfile", refused)
-    monkeypatch.setattr(stream_concat, "_SCRATCH", threading.local())  # no chunk buffer made before
+    monkeypatch.setattr(stream_concat, "_THREAD", threading.local())  # no chunk buffer made before
     rng = np.random.default_rng(14)
     mats = [rng.standard_normal((9, c)).astype(np.float32) for c in (5, 3)]
     scale = rng.uniform(0.5, 1.5, 9).astype(np.float32)
@@ -314,23 +329,26 @@ def test_plain_parts_one_after_the_other_are_copied_by_the_kernel_in_pieces(tmp_
     assert sum(calls) == 12 * 6 * 4 and max(calls) == 64
 
 
-@pytest.mark.parametrize("map_bytes", [None, 60])
-def test_float16_scaled_rows_are_scaled_from_their_maps(tmp_path, monkeypatch, map_bytes):
-    """ "fold" on some parts only: a float16 scaled part goes through ONNX Runtime (contiguous blocks only),
-    so it is scaled from its mapped rows (mapped once per job) into a block, which is then copied into its
-    columns; the unscaled part is read straight into its columns. In one job or in several."""
-    if map_bytes is not None:
-        monkeypatch.setattr(stream_concat, "MAP_BYTES", map_bytes)
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("band_bytes", [None, 60])
+def test_scaled_rows_are_scaled_from_their_maps_into_the_chunk(tmp_path, monkeypatch, dtype, band_bytes):
+    """ "fold" on some parts only: a scaled part is scaled from its rows of the band, mapped, straight into
+    its columns of the chunk (float16 row by row: ONNX Runtime takes contiguous buffers, and a part's
+    columns are not), with no read into a buffer first; the unscaled part is read into its columns. In one
+    job or in several; no map outlives the write."""
+    if band_bytes is not None:
+        monkeypatch.setattr(stream_concat, "BAND_BYTES", band_bytes)
     rng = np.random.default_rng(12)
-    mats = [rng.standard_normal((6, c)).astype(np.float16) for c in (4, 5)]
+    mats = [rng.standard_normal((6, c)).astype(dtype) for c in (4, 5)]
     scale = rng.uniform(0.5, 1.5, 6).astype(np.float32)
     scales = [scale, None]
     parts = [Part(_external(m, tmp_path, f"m{i}"), *m.shape, scale=scales[i]) for i, m in enumerate(mats)]
     expected = np.concatenate([_fold(m, s, 0) for m, s in zip(mats, scales, strict=True)], axis=1)
-    tensor = ConcatTensor(parts, 1, ir.DataType.FLOAT16, expected.shape, "gate", chunk_bytes=40)
+    tensor = ConcatTensor(parts, 1, DTYPES[dtype], expected.shape, "gate", chunk_bytes=40)
     reads = _preadv_calls(monkeypatch)
     assert _written(tensor, tmp_path) == expected.tobytes()
-    assert reads and {Path(path).name for path, _ in reads} == {"m1.data"}
+    assert {Path(path).name for path, _ in reads} == {"m1.data"}
+    assert str(tmp_path) not in Path("/proc/self/maps").read_text()
 
 
 @pytest.mark.parametrize("axis", [0, 1])
@@ -446,7 +464,7 @@ def _recorded_writes(monkeypatch, small_jobs: bool = True) -> list[tuple[str, in
     jobs' own order)."""
     if small_jobs:
         monkeypatch.setattr(stream_concat, "COPY_BYTES", 96)
-        monkeypatch.setattr(stream_concat, "MAP_BYTES", 64)
+        monkeypatch.setattr(stream_concat, "BAND_BYTES", 64)
         monkeypatch.setattr(stream_concat, "_WORKERS", 1)
     writes: list[tuple[str, int]] = []
     pwritev, copy, sendfile = os.pwritev, os.copy_file_range, os.sendfile
@@ -528,19 +546,15 @@ def test_no_write_call_copies_more_than_write_bytes(tmp_path, monkeypatch):
     assert sum(size for size, _ in calls) == sum(a.size for a in arrays)
 
 
-def test_scratch_blocks_are_reused_per_thread_and_grow():
-    """A chunk's scaled blocks come from its thread's buffers, the same memory chunk after chunk (a new
-    array per chunk faulted in every page again); a larger block grows the buffer; threads never share."""
+def test_chunk_buffers_are_reused_per_thread_and_grow():
+    """A thread builds chunk after chunk in the same buffer (new memory per chunk faulted in every page
+    again); a larger chunk grows it; threads never share one."""
     import concurrent.futures
 
-    first = stream_concat._scratch(0, (4, 8), np.float32)
-    again = stream_concat._scratch(0, (2, 8), np.float16)
-    assert again.shape == (2, 8) and again.dtype == np.float16
-    assert again.ctypes.data == first.ctypes.data
-    other = stream_concat._scratch(1, (4, 8), np.float32)
-    assert not np.shares_memory(other, first)
-    grown = stream_concat._scratch(0, (64, 64), np.float32)
-    assert grown.shape == (64, 64) and grown.flags.c_contiguous
+    first = stream_concat._chunk_buffer(100)
+    assert stream_concat._chunk_buffer(50) is first and first.nbytes >= stream_concat.CHUNK_BYTES
+    grown = stream_concat._chunk_buffer(first.nbytes + 1)
+    assert grown is not first and grown.nbytes == first.nbytes + 1
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        theirs = pool.submit(stream_concat._scratch, 0, (64, 64), np.float32).result()
-    assert not np.shares_memory(theirs, grown)
+        theirs = pool.submit(stream_concat._chunk_buffer, 10).result()
+    assert theirs is not grown
