@@ -24,8 +24,11 @@ anyway; see _writing), so a thread builds a chunk while the other writes:
   replaced, pwritev of each output row straight from mapped rows in calls of at most WRITE_BYTES, spent
   a fifth of its CPU on Python and on hand-offs between the threads (docs/scale.md, eighth pass); one
   copy_file_range per row segment was slower at every segment size from 4 to 56 KB;
-- anything else (transposed or unpacked parts, in-memory tensors, row-stacked scaled parts): each part's
-  rows read with `os.preadv` into a contiguous block, scaled there in place.
+- other parts one after the other (scaled, transposed, in memory): a chunk at a time into the chunk
+  buffer, scaled there in place, sent the same way. Transposed parts are read through a map of a band of
+  their stored rows, in-memory ones copied;
+- chunks that `finish` changes (packed int4 zero points): each part's rows read into a new block, and the
+  finished chunk written with pwritev.
 
 Into a stream (an in-memory buffer), chunks are built and written in order. Neither a source nor the
 fused matrix is ever mapped (beyond a band's rows) or held whole, so memory does not grow with the group
@@ -422,8 +425,15 @@ class ConcatTensor(ir.LazyTensor):
             write_tensors(file, [self])
 
     def _stacked_at(self, part: Part, start: int, stop: int, fd: int, at: int) -> None:
-        chunk = self._finished(part.read(start, stop, self._work_dtype()))
-        _pwrite_all(fd, [self._checked(chunk, stop - start)], at)
+        if self.finish is not None:
+            chunk = self.finish(part.read(start, stop, self._work_dtype()))
+            _pwrite_all(fd, [self._checked(chunk, stop - start)], at)
+            return
+        buffer = _chunk_buffer((stop - start) * self._row_bytes())
+        chunk = buffer.array(stop - start, part.shape[1], self._numpy)
+        part.read_into(chunk, start, stop)
+        scale_blocks([chunk], [part.row_scale(start, stop)])
+        buffer.write(fd, chunk.nbytes, at)
 
     def _side_by_side_at(self, start: int, stop: int, fd: int, at: int) -> None:
         if self.finish is not None:
