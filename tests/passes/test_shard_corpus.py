@@ -19,6 +19,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 
+from passes.data_files import data_file_names
 from passes.graph_inputs import Signature
 from passes.metrics import max_abs_relative_error
 from passes.shard import shard_file
@@ -105,3 +106,19 @@ def test_genai_int4_shards_by_quantization_blocks(third_party_corpus, tmp_path: 
     assert report.allreduces_per_forward == 50
     error = max_abs_relative_error(run_simulated(tmp_path / "tp2", ids), single_device(source))
     assert error <= TOLERANCE, f"genai-int4 tp=2: relative error {error:.2e}"
+
+
+def test_genai_ranks_in_numbered_data_files(third_party_corpus, tmp_path: Path) -> None:  # noqa: F811
+    """shard_tp's --max-data-file-gb on a graph this project did not write: ONNX Runtime GenAI's fp32 export
+    at tp 2, each rank's weights in numbered files of at most 40 MB (a larger tensor alone in its file).
+    The ranks compute bit for bit what one-file ranks compute."""
+    source = third_party_corpus["genai-fp32"]
+    shard_file(source, 2, tmp_path / "one", external_data=True, progress=False)
+    size = 40 << 20
+    shard_file(source, 2, tmp_path / "parts", external_data=True, max_data_file_bytes=size, progress=False)
+    for rank in range(2):
+        folder = tmp_path / "parts" / f"rank{rank}"
+        names = sorted(p.name for p in folder.iterdir() if p.name != "model.onnx")
+        assert len(names) > 3 and names == data_file_names("model.onnx", len(names)), names
+    numbered, one_file = (run_simulated(tmp_path / d, IDS) for d in ("parts", "one"))
+    np.testing.assert_array_equal(numbered, one_file)
