@@ -513,11 +513,15 @@ class _ChunkBuffer:
     `cp` copies. The gathering pwritev calls it replaces wrote at most WRITE_BYTES each, and each paid a
     return to Python and a hand-off of the interpreter lock between the two threads (with the Python
     that built their buffer lists, 20-25% of a fusion's CPU time on two cores; docs/scale.md, eighth pass).
-    Without memfd (not Linux), or where sendfile refuses the output, plain memory written with pwritev."""
+    Without memfd (not Linux, or refused by a sandbox's system-call filter), or where sendfile refuses the
+    output, plain memory written with pwritev."""
 
     def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes
-        self.fd = os.memfd_create("ffn-fusion-chunk") if hasattr(os, "memfd_create") else None
+        try:
+            self.fd: int | None = os.memfd_create("ffn-fusion-chunk")
+        except (AttributeError, OSError):
+            self.fd = None
         if self.fd is None:
             self.memory: mmap.mmap | bytearray = bytearray(nbytes)
             return

@@ -276,12 +276,18 @@ def test_interleaved_plain_rows_are_read_into_a_chunk_and_sent_in_one_call(
     assert str(tmp_path) not in Path("/proc/self/maps").read_text()
 
 
-@pytest.mark.parametrize("failure", ["no memfd", "sendfile refused"])
+@pytest.mark.parametrize("failure", ["no memfd", "memfd refused", "sendfile refused"])
 def test_chunks_without_memfd_or_sendfile_are_written_from_memory(tmp_path, monkeypatch, failure):
-    """Where there is no memfd (not Linux), or sendfile refuses the output file, the chunk's bytes go
-    from plain memory with pwritev: the same bytes."""
+    """Where there is no memfd (not Linux, or a sandbox refuses the call), or sendfile refuses the output
+    file, the chunk's bytes go from plain memory with pwritev: the same bytes."""
     if failure == "no memfd":
         monkeypatch.delattr(os, "memfd_create")
+    elif failure == "memfd refused":
+
+        def denied(*args):
+            raise PermissionError(errno.EPERM, "Operation not permitted")
+
+        monkeypatch.setattr(os, "memfd_create", denied)
     else:
 
         def refused(*args):
