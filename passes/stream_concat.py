@@ -7,10 +7,10 @@ A `ConcatTensor` is the concatenation of `Part`s along one axis of the stored ma
 
 A model's tensors are written into its data files by `write_files`, all at once: each file's range is
 allocated (fallocate), and the jobs of every tensor, each writing its own byte range at its offset
-(pwrite), run on two threads, interleaved so that each tensor (and each file) advances in proportion to
-its size: one thread copies plain weights in the kernel while the other scales gate/up rows, and the two
-mostly write different files. One write at a time to a file (the kernel serializes writes to a file
-anyway; see _writing), so a thread builds a chunk while the other writes:
+(copy_file_range, sendfile or pwrite), run on two threads, interleaved so that each tensor (and each file)
+advances in proportion to its size: one thread copies plain weights in the kernel while the other scales
+gate/up rows, and the two mostly write different files. One write at a time to a file (the kernel
+serializes writes to a file anyway; see _writing), so a thread builds a chunk while the other writes:
 
 - plain parts (whole rows, unscaled) of an axis-0 concatenation, and unchanged external tensors: kernel
   copies, file to file (copy_file_range), in COPY_BYTES pieces;
@@ -207,7 +207,7 @@ def scale_blocks(
                 row_scale = scale[row : row + 1] if len(scale) > 1 else scale
                 half.append((block[row : row + 1], source[row : row + 1], row_scale))
         else:
-            contiguous = np.ascontiguousarray(source)
+            contiguous = np.array(source, order="C")  # a copy: `source` may be the file's read-only map
             _half_fold([(contiguous, contiguous, scale)])
             block[...] = contiguous
     for first in range(0, len(half), _HALF_RUN):

@@ -564,3 +564,19 @@ def test_chunk_buffers_are_reused_per_thread_and_grow():
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         theirs = pool.submit(stream_concat._chunk_buffer, 10).result()
     assert theirs is not grown
+
+
+def test_a_float16_view_with_strided_rows_is_scaled_without_touching_its_source():
+    """A float16 block whose rows are not contiguous goes through a contiguous copy of its source; the
+    source (the data file's read-only map, in the fusion) is never written, even when it is contiguous."""
+    rng = np.random.default_rng(21)
+    source = rng.standard_normal((4, 6)).astype(np.float16)
+    source.flags.writeable = False
+    kept = source.copy()
+    wide = np.zeros((4, 12), np.float16)
+    block = wide[:, ::2]
+    scale = rng.uniform(0.5, 1.5, (4, 1)).astype(np.float32)
+    scale_blocks([block], [scale], [source])
+    assert source.tobytes() == kept.tobytes()
+    assert block.tobytes() == (kept.astype(np.float32) * scale).astype(np.float16).tobytes()
+    assert not wide[:, 1::2].any()
