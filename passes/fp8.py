@@ -125,6 +125,9 @@ class _FP8Weight(ir.LazyTensor):
         super().__init__(self._materialize, dtype=ir.DataType.FLOAT8E4M3FN, shape=shape, name=name)
         self.source, self.transpose, self.scale = tensor, transpose, scale
 
+    def __repr__(self) -> str:  # LazyTensor's would print `func`, a bound method whose repr is this one
+        return f"{type(self).__name__}({self.name!r}, {list(self.shape)}, from {self.source.name!r})"
+
     def bands(self) -> Iterator[np.ndarray]:
         for band in _bands(self.source, self.transpose):
             yield np.ascontiguousarray(_to_fp8(band, self.scale))

@@ -378,6 +378,12 @@ class ConcatTensor(ir.LazyTensor):
         self.parts, self.axis, self.finish, self.chunk_bytes = parts, axis, finish, chunk_bytes
         self._numpy = np.dtype(dtype.numpy())
 
+    def __repr__(self) -> str:  # LazyTensor's would print `func`, a bound method whose repr is this one
+        return (
+            f"{type(self).__name__}({self.name!r}, {self.dtype.name}, {list(self.shape)}, "
+            f"{len(self.parts)} parts along axis {self.axis})"
+        )
+
     def chunks(self) -> Iterator[np.ndarray]:
         """The result's rows in order, a chunk at a time (plain file ranges read a chunk at a time)."""
         if self.axis == 0:

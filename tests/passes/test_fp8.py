@@ -352,3 +352,21 @@ def test_quantizing_keeps_a_weight_per_writing_thread_in_memory(tmp_path):
     q = onnx.load(str(tmp_path / "q.onnx"))
     w0 = numpy_helper.to_array(next(t for t in q.graph.initializer if t.name == "w0_fp8"))
     assert w0.dtype == ml_dtypes.float8_e4m3fn and w0.shape == (n, n)
+
+
+def test_a_quantized_weight_prints_without_evaluating(tmp_path):
+    """A quantized weight (a lazy tensor) prints its name, shape and source: the graph of a quantized model
+    can be printed before it is saved (LazyTensor's repr printed its own bound method: endless recursion)."""
+    weight = numpy_helper.from_array(np.ones((8, 4), np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 4])],
+        initializer=[weight],
+    )
+    model = ir.serde.deserialize_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]))
+    quantize_fp8(model, {"x": 0.01}, quantize_lm_head=True)
+    (fp8,) = [v for k, v in model.graph.initializers.items() if k.endswith("_fp8")]
+    assert repr(fp8.const_value) == "_FP8Weight('w_fp8', [8, 4], from 'w')"
+    assert "w_fp8" in str(fp8) and "mm" in str(model.graph)

@@ -580,3 +580,17 @@ def test_a_float16_view_with_strided_rows_is_scaled_without_touching_its_source(
     assert source.tobytes() == kept.tobytes()
     assert block.tobytes() == (kept.astype(np.float32) * scale).astype(np.float16).tobytes()
     assert not wide[:, 1::2].any()
+
+
+def test_a_concatenation_prints_without_evaluating():
+    """repr names the tensor, its shape and parts, and builds nothing (LazyTensor's repr printed its own
+    bound method: endless recursion whenever a fused graph or one of its values was printed)."""
+    tensor = ConcatTensor(
+        [Part(np.ones((2, 3), np.float32), 2, 3), Part(np.ones((2, 5), np.float32), 2, 5)],
+        1,
+        ir.DataType.FLOAT,
+        (2, 8),
+        "gate",
+    )
+    assert repr(tensor) == "ConcatTensor('gate', FLOAT, [2, 8], 2 parts along axis 1)"
+    assert "gate" in str(ir.Value(name="gate", const_value=tensor))
