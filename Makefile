@@ -7,7 +7,7 @@ STAMP := .venv/.installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py passes/_half_scale.c
 	python3 -m venv .venv
 	$(PIP) install --quiet --upgrade pip
 	# The pinned CPU build of torch first: an unpinned torch pulls a multi-GB CUDA build.

@@ -19,7 +19,7 @@ serializes writes to a file anyway; see _writing), so a thread builds a chunk wh
   its columns of the chunk with one copy from the page cache: plain rows by preadv; rows that "fold"
   scales by the multiply itself, from the band's rows mapped from their data file with MAP_POPULATE
   (page table entries for the cached pages in one call, no copy; unmapped when the band is written;
-  float16 row by row, each row being contiguous, see scale_blocks). Then one sendfile copies the chunk
+  float16 by passes/_half_scale.c, see scale_blocks). Then one sendfile copies the chunk
   into the output in the kernel, 64 KB at a time as `cp` copies (_ChunkBuffer). The gather this
   replaced, pwritev of each output row straight from mapped rows in calls of at most WRITE_BYTES, spent
   a fifth of its CPU on Python and on hand-offs between the threads (docs/scale.md, eighth pass); one
@@ -36,7 +36,7 @@ or the matrix size (file pages a process maps count towards its resident size; p
 writes do not).
 "fold" multiplies each part's norm weight into its input dimension in float32, and half-precision rows
 are rounded once, exactly as a whole-matrix numpy computation would round them (`scale_rows`; float16
-through ONNX Runtime's vectorized casts).
+in one pass of the CPU's F16C conversions, passes/_half_scale.c).
 """
 
 from __future__ import annotations
@@ -62,6 +62,12 @@ import numpy as np
 import onnx_ir as ir
 
 from passes.file_copy import WRITE_BYTES, copy_range
+
+try:  # float16 "fold" in one pass (passes/_half_scale.c); where it is not built, ONNX Runtime's casts
+    from passes import _half_scale
+except ImportError:
+    _half_scale = None
+_NATIVE_HALF = _half_scale is not None and _half_scale.supported()
 
 # A built chunk. Each costs about 150 us of its own (Python, an ONNX Runtime run, a sendfile): 4 MB chunks
 # were 10-15% faster than 1 MB ones, 8 MB no faster (docs/scale.md, eighth pass).
@@ -181,14 +187,18 @@ def scale_blocks(
     is. Multiplied in float32 and rounded once (to nearest even) to the block's dtype, exactly as numpy
     computes it on the whole matrix.
 
-    float16 goes through ONNX Runtime's Cast -> Mul -> Cast, which converts with F16C/AVX2 (MLAS): numpy
-    2.4 converts float16 element by element, 4-7x slower here, which made half-precision "fold" CPU-bound
-    (measured in docs/scale.md). ONNX Runtime takes contiguous buffers only, so a block that is a view of a
-    wider chunk (a part's columns) goes row by row, each row contiguous, scaled into where it lies; all of
-    them in runs of up to _HALF_RUN rows, since a run costs tens of microseconds of its own (a run per
-    block was a third of the scale's CPU time). Same IEEE operations, so the same bits
-    (tests/passes/test_stream_concat.py compares them with numpy's for every float16 value). bfloat16
-    (ml_dtypes) and float32 convert fast in numpy: one buffered pass, strided or not, no float32 copy.
+    float16 goes through passes/_half_scale.c: one pass with the CPU's F16C conversions, where its rows are
+    contiguous and it is scaled by row or by column (a part's columns of a chunk, from mapped rows). numpy
+    2.4 converts float16 element by element (0.7 GB/s), and ONNX Runtime's Cast -> Mul -> Cast, the
+    fallback where the module is not built, takes three passes (2.4 GB/s in the fusion): either left
+    half-precision "fold" CPU-bound on two cores (docs/scale.md, ninth pass). ONNX Runtime takes contiguous
+    buffers only, so there a view of a wider chunk goes row by row, each row scaled into where it lies, in
+    runs of up to _HALF_RUN rows (a run costs tens of microseconds of its own). Same IEEE operations
+    everywhere, so the same bits (tests/passes/test_stream_concat.py compares them with numpy's for every
+    float16 value), but for one case of the fallback: row by row, a NaN weight among a row's last
+    cols % 8 values comes out as the canonical NaN, its payload lost (MLAS converts those one at a time).
+    bfloat16 (ml_dtypes) and float32 convert fast in numpy: one buffered pass, strided or
+    not, no float32 copy.
     """
     half: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
     for block, source, scale in zip(blocks, sources or [None] * len(blocks), scales, strict=True):
@@ -200,6 +210,8 @@ def scale_blocks(
         # differs between numpy and ONNX Runtime; numpy decides there.
         if block.dtype != np.float16 or np.isnan(scale).any():
             np.multiply(source, scale, out=block, dtype=np.float32, casting="unsafe")
+        elif _native_half(block, source, scale):
+            continue
         elif block.flags.c_contiguous:
             half.append((block, source, scale))
         elif block.strides[-1] == block.itemsize:  # rows contiguous: each scaled into where it lies
@@ -212,6 +224,22 @@ def scale_blocks(
             block[...] = contiguous
     for first in range(0, len(half), _HALF_RUN):
         _half_fold(half[first : first + _HALF_RUN])
+
+
+def _native_half(block: np.ndarray, source: np.ndarray, scale: np.ndarray) -> bool:
+    """Scale a float16 block whose rows are contiguous by passes/_half_scale.c; False when it cannot."""
+    rows, cols = block.shape if block.ndim == 2 else (0, 0)
+    per_row = scale.shape == (rows, 1)
+    if not (_NATIVE_HALF and rows and (per_row or scale.shape == (1, cols)) and block.flags.writeable):
+        return False
+    if source.dtype != np.float16 or source.shape != block.shape:
+        return False
+    if block.strides[1] != block.itemsize or source.strides[1] != source.itemsize:
+        return False
+    step, from_step = block.strides[0] // block.itemsize, source.strides[0] // source.itemsize
+    address, from_address = block.ctypes.data, source.ctypes.data
+    _half_scale.scale(from_address, from_step, address, step, rows, cols, scale.ctypes.data, per_row)
+    return True
 
 
 _HALF_RUN = 64  # blocks (or rows) scaled by one ONNX Runtime run: a run's graph holds 3 nodes per block

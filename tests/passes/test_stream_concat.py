@@ -8,6 +8,7 @@ import itertools
 import os
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import ml_dtypes
 import numpy as np
@@ -159,46 +160,73 @@ def test_plain_parts_are_copied_file_to_file(tmp_path):
     assert (tmp_path / "out.data").read_bytes() == expected
 
 
-def test_float16_fold_equals_numpy_bit_for_bit():
+@pytest.fixture(params=["native", "onnxruntime"])
+def half_path(request, monkeypatch):
+    """float16 scaled by passes/_half_scale.c, or by ONNX Runtime's casts (where it is not built)."""
+    native = request.param == "native"
+    if native:
+        assert stream_concat._half_scale is not None, "passes/_half_scale.c is not built: pip install -e ."
+        if not stream_concat._half_scale.supported():
+            pytest.skip("this CPU has no AVX2 and F16C")
+        calls = []
+        module = stream_concat._half_scale
+        scale = lambda *args: calls.append(args) or module.scale(*args)  # noqa: E731
+        counted = SimpleNamespace(supported=module.supported, scale=scale)
+        monkeypatch.setattr(stream_concat, "_half_scale", counted)
+        request.node.native_calls = calls
+    monkeypatch.setattr(stream_concat, "_NATIVE_HALF", native)
+    return request.param
+
+
+@pytest.mark.parametrize("cols", [256, 251])
+def test_float16_fold_equals_numpy_bit_for_bit(half_path, request, cols):
     """Every float16 bit pattern (subnormals, infinities, NaNs) times scales that round, overflow to
-    infinity and underflow to subnormals or zero: scale_rows (ONNX Runtime's casts) gives numpy's bits,
-    float16(float32(w) * float32(g)), on rows (one scale per row) and on columns, contiguous or a view."""
-    bits = np.arange(1 << 16, dtype=np.uint16).view(np.float16).reshape(256, 256)
+    infinity and underflow to subnormals or zero: scale_rows (the C module, or ONNX Runtime's casts) gives
+    numpy's bits, float16(float32(w) * float32(g)), on rows (one scale per row) and on columns, contiguous
+    or a view; 251 columns leave a tail shorter than 8 lanes. The one difference: ONNX Runtime, scaling a
+    view row by row, returns the canonical NaN for a NaN weight among a row's last cols % 8 (MLAS converts
+    those one at a time), where numpy and the C module keep its payload."""
+    bits = np.arange(1 << 16, dtype=np.uint16).view(np.float16).reshape(256, 256)[:, :cols]
     specials = [1.0, 1 / 3, 1.00390625, -0.7, 0.0, -0.0, 1e-30, 3e-8, 7.3e-5, 1e5, 65504.0, np.inf, np.nan]
     scales = np.array(specials, np.float32)
     rng = np.random.default_rng(7)
     no_nan = np.resize(scales[:-1], 256)
     for scale in (np.resize(scales, 256), no_nan, rng.uniform(-3, 3, 256).astype(np.float32)):
         for axis in (0, 1):
-            g = scale[:, None] if axis == 0 else scale[None, :]
+            g = scale[:, None] if axis == 0 else scale[None, :cols]
             with np.errstate(all="ignore"):
                 expected = (bits.astype(np.float32) * g).astype(np.float16)
             out = bits.copy()
             wide = np.zeros((256, 300), np.float16)  # a column slice of a wider chunk (gate/up interleave)
-            wide[:, 20:276] = bits
+            wide[:, 20 : 20 + cols] = bits
             with np.errstate(all="ignore"):  # numpy's path (NaN scales) warns of inf * 0
                 scale_rows(out, g)
-                scale_rows(wide[:, 20:276], g)
+                scale_rows(wide[:, 20 : 20 + cols], g)
             assert out.view(np.uint16).tobytes() == expected.view(np.uint16).tobytes()
-            assert wide[:, 20:276].view(np.uint16).tobytes() == expected.view(np.uint16).tobytes()
-            assert not wide[:, :20].any() and not wide[:, 276:].any()
+            view = wide[:, 20 : 20 + cols]
+            if half_path == "onnxruntime":  # row by row: MLAS converts a row's last cols % 8 values one
+                view[np.isnan(view) & np.isnan(expected)] = np.nan  # at a time, to the canonical NaN
+                expected[np.isnan(expected)] = np.nan
+            assert view.view(np.uint16).tobytes() == expected.view(np.uint16).tobytes()
+            assert not wide[:, :20].any() and not wide[:, 20 + cols :].any()
+    if half_path == "native":  # the scales without NaN (NaN: numpy decides), block and view, both axes
+        assert len(request.node.native_calls) == 2 * 2 * 2
 
 
 @pytest.mark.parametrize("half_run", [64, 4])
-def test_a_chunks_blocks_are_scaled_together_as_each_alone(monkeypatch, half_run):
-    """scale_blocks: float16 blocks in ONNX Runtime runs of at most _HALF_RUN blocks or rows (a view of a
-    wider chunk row by row, each row where it lies; a view whose rows are not contiguous through a copy),
-    the others (bfloat16, float32, a NaN scale) in numpy, a None scale left alone: each block's bits as numpy
-    gives them, the columns around the views untouched."""
+def test_a_chunks_blocks_are_scaled_together_as_each_alone(monkeypatch, half_path, request, half_run):
+    """scale_blocks: float16 blocks with contiguous rows by the C module, one call each; without it, in
+    ONNX Runtime runs of at most _HALF_RUN blocks or rows (a view of a wider chunk row by row, each row where
+    it lies). A view whose rows are not contiguous through a copy, in ONNX Runtime either way; the others
+    (bfloat16, float32, a NaN scale) in numpy, a None scale left alone: each block's bits as numpy gives
+    them, the columns around the views untouched."""
     import ml_dtypes
-
-    import passes.stream_concat
 
     rng = np.random.default_rng(3)
     runs = []
-    fold = passes.stream_concat._half_fold
-    monkeypatch.setattr(passes.stream_concat, "_HALF_RUN", half_run)
-    monkeypatch.setattr(passes.stream_concat, "_half_fold", lambda pair: runs.append(len(pair)) or fold(pair))
+    fold = stream_concat._half_fold
+    monkeypatch.setattr(stream_concat, "_HALF_RUN", half_run)
+    monkeypatch.setattr(stream_concat, "_half_fold", lambda pair: runs.append(len(pair)) or fold(pair))
     wide = rng.standard_normal((5, 40)).astype(np.float16)
     around = wide.copy()
     column_scale = rng.uniform(-2, 2, (1, 8)).astype(np.float32)  # scaled along the other axis
@@ -220,9 +248,11 @@ def test_a_chunks_blocks_are_scaled_together_as_each_alone(monkeypatch, half_run
         pairs = zip(expected_blocks, scales, strict=True)
         expected = [b if g is None else (b.astype(np.float32) * g).astype(b.dtype) for b, g in pairs]
         scale_blocks(blocks, scales)
-    # float16 with finite scales: the block, the view's 5 rows, the strided view (copied, one more run)
-    assert sum(runs) == 1 + 5 + 1 and max(runs) <= half_run
-    assert len(runs) == (2 if half_run == 64 else 3)
+    if half_path == "native":  # the block and the view; the strided view (copied) in one run
+        assert len(request.node.native_calls) == 2 and runs == [1]
+    else:  # float16 with finite scales: the block, the view's 5 rows, the strided view (one more run)
+        assert sum(runs) == 1 + 5 + 1 and max(runs) <= half_run
+        assert len(runs) == (2 if half_run == 64 else 3)
     for block, want in zip(blocks, expected, strict=True):
         assert block.tobytes() == want.tobytes()
     assert wide[:, 3:11].tobytes() == expected[1].tobytes()
