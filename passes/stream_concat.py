@@ -58,6 +58,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import BinaryIO
 
+import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 
@@ -68,6 +69,7 @@ try:  # float16 "fold" in one pass (passes/_half_scale.c); where it is not built
 except ImportError:
     _half_scale = None
 _NATIVE_HALF = _half_scale is not None and _half_scale.supported()
+_BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 
 # A built chunk. Each costs about 150 us of its own (Python, an ONNX Runtime run, a sendfile): 4 MB chunks
 # were 10-15% faster than 1 MB ones, 8 MB no faster (docs/scale.md, eighth pass).
@@ -208,10 +210,11 @@ def scale_blocks(
         scale = np.ascontiguousarray(scale, np.float32)
         # A NaN scale times a NaN weight: x86 keeps the first operand's payload, and the operand order
         # differs between numpy and ONNX Runtime; numpy decides there.
-        if block.dtype != np.float16 or np.isnan(scale).any():
-            np.multiply(source, scale, out=block, dtype=np.float32, casting="unsafe")
-        elif _native_half(block, source, scale):
+        nan = np.isnan(scale).any()
+        if not nan and _native_scale(block, source, scale):
             continue
+        if block.dtype != np.float16 or nan:
+            np.multiply(source, scale, out=block, dtype=np.float32, casting="unsafe")
         elif block.flags.c_contiguous:
             half.append((block, source, scale))
         elif block.strides[-1] == block.itemsize:  # rows contiguous: each scaled into where it lies
@@ -226,19 +229,22 @@ def scale_blocks(
         _half_fold(half[first : first + _HALF_RUN])
 
 
-def _native_half(block: np.ndarray, source: np.ndarray, scale: np.ndarray) -> bool:
-    """Scale a float16 block whose rows are contiguous by passes/_half_scale.c; False when it cannot."""
+def _native_scale(block: np.ndarray, source: np.ndarray, scale: np.ndarray) -> bool:
+    """Scale a float16 or bfloat16 block whose rows are contiguous by passes/_half_scale.c; False when it
+    cannot."""
     rows, cols = block.shape if block.ndim == 2 else (0, 0)
     per_row = scale.shape == (rows, 1)
     if not (_NATIVE_HALF and rows and (per_row or scale.shape == (1, cols)) and block.flags.writeable):
         return False
-    if source.dtype != np.float16 or source.shape != block.shape:
+    if block.dtype not in (np.float16, _BFLOAT16) or source.dtype != block.dtype:
+        return False
+    if source.shape != block.shape:
         return False
     if block.strides[1] != block.itemsize or source.strides[1] != source.itemsize:
         return False
     step, from_step = block.strides[0] // block.itemsize, source.strides[0] // source.itemsize
-    address, from_address = block.ctypes.data, source.ctypes.data
-    _half_scale.scale(from_address, from_step, address, step, rows, cols, scale.ctypes.data, per_row)
+    addresses = source.ctypes.data, from_step, block.ctypes.data, step
+    _half_scale.scale(*addresses, rows, cols, scale.ctypes.data, per_row, block.dtype == _BFLOAT16)
     return True
 
 

@@ -213,9 +213,37 @@ def test_float16_fold_equals_numpy_bit_for_bit(half_path, request, cols):
         assert len(request.node.native_calls) == 2 * 2 * 2
 
 
+@pytest.mark.parametrize("cols", [256, 251])
+def test_bfloat16_fold_equals_numpy_bit_for_bit(half_path, request, cols):
+    """Every bfloat16 bit pattern times scales that round, overflow and underflow: scale_rows (the C module,
+    or numpy with ml_dtypes) gives numpy's bits, bfloat16(float32(w) * float32(g)) (a NaN: 0x7FC0 with its
+    sign), on rows and on columns, contiguous or a view, with a tail shorter than 8 lanes."""
+    import ml_dtypes
+
+    bits = np.arange(1 << 16, dtype=np.uint16).view(ml_dtypes.bfloat16).reshape(256, 256)[:, :cols]
+    specials = [1.0, 1 / 3, 1.00390625, -0.7, 0.0, -0.0, 1e-30, 3e-39, 1e-45, 3e38, np.inf]
+    rng = np.random.default_rng(8)
+    for scale in (np.resize(np.array(specials, np.float32), 256), rng.uniform(-3, 3, 256).astype(np.float32)):
+        for axis in (0, 1):
+            g = scale[:, None] if axis == 0 else scale[None, :cols]
+            with np.errstate(all="ignore"):
+                expected = (bits.astype(np.float32) * g).astype(ml_dtypes.bfloat16)
+                out = bits.copy()
+                wide = np.zeros((256, 300), ml_dtypes.bfloat16)
+                wide[:, 20 : 20 + cols] = bits
+                scale_rows(out, g)
+                scale_rows(wide[:, 20 : 20 + cols], g)
+            assert out.view(np.uint16).tobytes() == expected.view(np.uint16).tobytes()
+            assert wide[:, 20 : 20 + cols].view(np.uint16).tobytes() == expected.view(np.uint16).tobytes()
+            assert not wide[:, :20].view(np.uint16).any() and not wide[:, 20 + cols :].view(np.uint16).any()
+    if half_path == "native":
+        assert len(request.node.native_calls) == 2 * 2 * 2
+
+
 @pytest.mark.parametrize("half_run", [64, 4])
 def test_a_chunks_blocks_are_scaled_together_as_each_alone(monkeypatch, half_path, request, half_run):
-    """scale_blocks: float16 blocks with contiguous rows by the C module, one call each; without it, in
+    """scale_blocks: float16 and bfloat16 blocks with contiguous rows by the C module, one call each; without
+    it, float16 in
     ONNX Runtime runs of at most _HALF_RUN blocks or rows (a view of a wider chunk row by row, each row where
     it lies). A view whose rows are not contiguous through a copy, in ONNX Runtime either way; the others
     (bfloat16, float32, a NaN scale) in numpy, a None scale left alone: each block's bits as numpy gives
@@ -248,8 +276,8 @@ def test_a_chunks_blocks_are_scaled_together_as_each_alone(monkeypatch, half_pat
         pairs = zip(expected_blocks, scales, strict=True)
         expected = [b if g is None else (b.astype(np.float32) * g).astype(b.dtype) for b, g in pairs]
         scale_blocks(blocks, scales)
-    if half_path == "native":  # the block and the view; the strided view (copied) in one run
-        assert len(request.node.native_calls) == 2 and runs == [1]
+    if half_path == "native":  # the block, the view and bfloat16; the strided view (copied) in one run
+        assert len(request.node.native_calls) == 3 and runs == [1]
     else:  # float16 with finite scales: the block, the view's 5 rows, the strided view (one more run)
         assert sum(runs) == 1 + 5 + 1 and max(runs) <= half_run
         assert len(runs) == (2 if half_run == 64 else 3)
