@@ -199,8 +199,8 @@ def scale_blocks(
     everywhere, so the same bits (tests/passes/test_stream_concat.py compares them with numpy's for every
     float16 value), but for one case of the fallback: row by row, a NaN weight among a row's last
     cols % 8 values comes out as the canonical NaN, its payload lost (MLAS converts those one at a time).
-    bfloat16 (ml_dtypes) and float32 convert fast in numpy: one buffered pass, strided or
-    not, no float32 copy.
+    bfloat16 goes through the C module too (7 GB/s against ml_dtypes' 2.7), else numpy with ml_dtypes, the
+    same bits; float32 through numpy: one buffered pass, strided or not, no float32 copy.
     """
     half: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
     for block, source, scale in zip(blocks, sources or [None] * len(blocks), scales, strict=True):
