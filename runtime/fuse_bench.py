@@ -85,6 +85,9 @@ class ShapeResult:
     group_weight_bytes: int
     steps: list[Step] = field(default_factory=list)
     load: tuple[float, float] = (0.0, 0.0)  # 1-minute load average before and after the fusion steps
+    # Bytes the kernel reclaimed in the allocating processes' own path during the timed steps (None: no
+    # /proc/vmstat). Above zero, memory ran short and every write paid for it (docs/scale.md, ninth pass).
+    direct_reclaim_bytes: int | None = None
 
 
 def _checked(measured: Measured, what: str) -> Measured:
@@ -133,7 +136,7 @@ def bench_shape(
         plan.write_text(json.dumps({"groups": [g for g in groups if g[1] > g[0]], "norm": mode}))
     itemsize = 4 if dtype == "float32" else 2
     result = ShapeResult(name, _size(model), 3 * hidden * ffn * itemsize * group)
-    start_load = os.getloadavg()[0]
+    start_load, start_reclaim = os.getloadavg()[0], direct_reclaim_pages()
     out = ["-o", folder / "f.onnx"]
     timed = {}  # "fold" rescales (and in half precision converts) every gate/up row; "last" only copies
     for mode in ("fold", "last"):
@@ -150,6 +153,9 @@ def bench_shape(
             samples[step].append(_fuse(timed[step], folder, step))
     samples["copy"].append(_copy(name, model, folder, log))
     result.load = (start_load, os.getloadavg()[0])
+    end_reclaim = direct_reclaim_pages()
+    if start_reclaim is not None and end_reclaim is not None:
+        result.direct_reclaim_bytes = (end_reclaim - start_reclaim) * os.sysconf("SC_PAGE_SIZE")
     copies = [seconds for seconds, _ in samples["copy"]]
     copy = min(copies)  # best of each: what interference did not add
     copy_median = statistics.median(copies)
@@ -205,6 +211,20 @@ def bench_shape(
         )
     _remove(folder)
     return result
+
+
+def direct_reclaim_pages(vmstat: Path = Path("/proc/vmstat")) -> int | None:
+    """Pages reclaimed so far by processes that had to free memory before they could allocate it
+    (`pgsteal_direct`), or None where the kernel does not say."""
+    try:
+        text = vmstat.read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name == "pgsteal_direct":
+            return int(value)
+    return None
 
 
 def paired_ratio(seconds: list[float], copies: list[float]) -> float:
@@ -300,8 +320,8 @@ def report(results: list[ShapeResult]) -> str:
         lines.append(
             f"{result.shape}: model {result.model_bytes / 1e9:.2f} GB, "
             f"largest group's weights {result.group_weight_bytes / MB:.0f} MB, "
-            f"load average {result.load[0]:.1f} -> {result.load[1]:.1f}; x copy: best against best; "
-            "paired x: median of each round's ratio to the copies around it"
+            f"load average {result.load[0]:.1f} -> {result.load[1]:.1f}{_reclaim_note(result)}; "
+            "x copy: best against best; paired x: median of each round's ratio to the copies around it"
         )
         lines.append(
             f"  {'step':<20}{'seconds':>9}{'x copy':>8}{'median x':>10}{'paired x':>10}{'peak RSS MB':>13}"
@@ -323,6 +343,15 @@ def report(results: list[ShapeResult]) -> str:
                 + (f" ({step.total_seconds:.1f} s)" if step.total_seconds is not None else "")
             )
     return "\n".join(lines)
+
+
+def _reclaim_note(result: ShapeResult) -> str:
+    if not result.direct_reclaim_bytes:
+        return ""
+    return (
+        f", direct reclaim {result.direct_reclaim_bytes / MB:.0f} MB (memory ran short: the times are "
+        "suspect; drop other large files from the page cache and rerun)"
+    )
 
 
 def _ratio_column(ratio: float | None) -> str:

@@ -47,6 +47,7 @@ def test_bench_fuse_reports_memory_and_time(tool, tmp_path):
             # Memory bounds hold at any size; the time bound only means something on GB-sized models.
             if step["bound_bytes"] is not None:
                 assert step["peak_bytes"] <= step["bound_bytes"], step
+        assert shape["direct_reclaim_bytes"] >= 0  # Linux: read from /proc/vmstat
     assert list(tmp_path.iterdir()) == []  # the benchmark cleans up after itself
 
 
@@ -94,3 +95,15 @@ def test_bench_fuse_refuses_what_is_not_a_checkout(tool, tmp_path):
     (tmp_path / "passes" / "__init__.py").write_text("raise ImportError('broken checkout')\n")
     result = tool("bench_fuse", "--against", tmp_path)
     assert result.returncode == 2 and "its tools import passes from nowhere" in result.stderr, result.stderr
+
+
+def test_direct_reclaim_is_read_from_vmstat_and_reported(tmp_path):
+    """pgsteal_direct from /proc/vmstat (None without it); a run during which the kernel reclaimed in the
+    writers' own path says so in its header, since memory that ran short makes every write slower."""
+    vmstat = tmp_path / "vmstat"
+    vmstat.write_text("nr_free_pages 10\npgsteal_kswapd 7\npgsteal_direct 2515161\npgscan_direct 9\n")
+    assert fuse_bench.direct_reclaim_pages(vmstat) == 2515161
+    assert fuse_bench.direct_reclaim_pages(tmp_path / "missing") is None
+    result = fuse_bench.ShapeResult("s", 1 << 30, 1 << 20, direct_reclaim_bytes=3 << 20)
+    assert "direct reclaim 3 MB (memory ran short" in fuse_bench.report([result])
+    assert "direct reclaim" not in fuse_bench.report([fuse_bench.ShapeResult("s", 1 << 30, 1 << 20)])
