@@ -5,7 +5,7 @@
    numpy's half(float32(w) * g). float16 with the F16C conversions that ONNX Runtime's casts use; bfloat16
    as ml_dtypes converts it (a shift up; rounding by adding 0x7FFF plus the lowest kept bit; a NaN becomes
    the quiet NaN 0x7FC0 with its sign). So the same bits. numpy converts float16 one element at a time
-   (0.7 GB/s here), bfloat16 through ml_dtypes at 2.9 GB/s, and ONNX Runtime takes three passes through
+   (0.7 GB/s here), bfloat16 through ml_dtypes at 2.7 GB/s, and ONNX Runtime takes three passes through
    float32 temporaries (2.4-4 GB/s); this pass is limited by memory (docs/scale.md, ninth pass). Used by
    passes/stream_concat.py, which falls back to those where this module is not built or the CPU lacks
    AVX2/F16C. */
@@ -31,8 +31,10 @@ __attribute__((target("avx2"))) static inline void scale8_bf16(const uint16_t *s
     __m256 y = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)), scale);
     __m256i bits = _mm256_castps_si256(y), high = _mm256_srli_epi32(bits, 16);
     __m256i odd = _mm256_and_si256(high, _mm256_set1_epi32(1));
-    __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd)), 16);
-    __m256i quiet = _mm256_or_si256(_mm256_and_si256(high, _mm256_set1_epi32(0x8000)), _mm256_set1_epi32(0x7FC0));
+    __m256i bias = _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd); /* to nearest, ties to even */
+    __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, bias), 16);
+    __m256i sign = _mm256_and_si256(high, _mm256_set1_epi32(0x8000));
+    __m256i quiet = _mm256_or_si256(sign, _mm256_set1_epi32(0x7FC0));
     __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(y, y, _CMP_UNORD_Q));
     __m256i half = _mm256_blendv_epi8(rounded, quiet, nan);
     __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(half, half), 0xD8); /* lanes in order */
