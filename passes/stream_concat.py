@@ -19,7 +19,7 @@ serializes writes to a file anyway; see _writing), so a thread builds a chunk wh
   its columns of the chunk with one copy from the page cache: plain rows by preadv; rows that "fold"
   scales by the multiply itself, from the band's rows mapped from their data file with MAP_POPULATE
   (page table entries for the cached pages in one call, no copy; unmapped when the band is written;
-  float16 by passes/_half_scale.c, see scale_blocks). Then one sendfile copies the chunk
+  float16 and bfloat16 by passes/_half_scale.c, see scale_blocks). Then one sendfile copies the chunk
   into the output in the kernel, 64 KB at a time as `cp` copies (_ChunkBuffer). The gather this
   replaced, pwritev of each output row straight from mapped rows in calls of at most WRITE_BYTES, spent
   a fifth of its CPU on Python and on hand-offs between the threads (docs/scale.md, eighth pass); one
@@ -35,8 +35,8 @@ fused matrix is ever mapped (beyond a band's rows) or held whole, so memory does
 or the matrix size (file pages a process maps count towards its resident size; pages it only reads or
 writes do not).
 "fold" multiplies each part's norm weight into its input dimension in float32, and half-precision rows
-are rounded once, exactly as a whole-matrix numpy computation would round them (`scale_rows`; float16
-in one pass of the CPU's F16C conversions, passes/_half_scale.c).
+are rounded once, exactly as a whole-matrix numpy computation would round them (`scale_rows`; float16 and
+bfloat16 in one pass, passes/_half_scale.c).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ import onnx_ir as ir
 
 from passes.file_copy import WRITE_BYTES, copy_range
 
-try:  # float16 "fold" in one pass (passes/_half_scale.c); where it is not built, ONNX Runtime's casts
+try:  # half-precision "fold" in one pass (passes/_half_scale.c); where it is not built, the slower paths
     from passes import _half_scale
 except ImportError:
     _half_scale = None
@@ -241,6 +241,8 @@ def _native_scale(block: np.ndarray, source: np.ndarray, scale: np.ndarray) -> b
     if source.shape != block.shape:
         return False
     if block.strides[1] != block.itemsize or source.strides[1] != source.itemsize:
+        return False
+    if block.strides[0] % block.itemsize or source.strides[0] % source.itemsize:  # rows elements apart
         return False
     step, from_step = block.strides[0] // block.itemsize, source.strides[0] // source.itemsize
     addresses = source.ctypes.data, from_step, block.ctypes.data, step
