@@ -7,7 +7,7 @@ STAMP := .venv/.installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py passes/_half_scale.c
+$(STAMP): pyproject.toml setup.py passes/io/_half_scale.c
 	python3 -m venv .venv
 	$(PIP) install --quiet --upgrade pip
 	# The pinned CPU build of torch first: an unpinned torch pulls a multi-GB CUDA build.
@@ -20,12 +20,12 @@ $(STAMP): pyproject.toml setup.py passes/_half_scale.c
 test: setup
 	$(PY) -m pytest -q
 
-# Optimum needs transformers < 4.58 (DESIGN 5): its own venv, for the third-party export corpus (tests/corpus.py).
+# Optimum needs transformers < 4.58 (DESIGN 5): its own venv, for the third-party export corpus (tests/corpora/fixtures.py).
 OPTIMUM_STAMP := .venv-optimum/.installed
 .PHONY: optimum-venv
 optimum-venv: $(OPTIMUM_STAMP)
 $(OPTIMUM_STAMP): | $(STAMP)
-	$(PY) -c "from exporters.third_party import ensure_optimum_venv; ensure_optimum_venv()"
+	$(PY) -c "from tests.corpora.third_party import ensure_optimum_venv; ensure_optimum_venv()"
 test: optimum-venv
 
 lint: setup

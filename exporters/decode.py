@@ -321,9 +321,9 @@ def engine_profile(
 ) -> dict[str, tuple[tuple[int, ...], ...]]:
     """min/opt/max shapes of every input of a decode graph; past_len runs from 0 (prefill) to max_total - 1.
 
-    The general mechanism: exporters.tensorrt_engine.DimRanges.decode over the inputs' named dims.
+    The general mechanism: exporters.tensorrt.engine.DimRanges.decode over the inputs' named dims.
     """
-    from exporters.tensorrt_engine import DimRanges, input_profiles
+    from exporters.tensorrt.engine import DimRanges, input_profiles
 
     ranges = DimRanges.decode(max_batch, max_total, opt_total)
     return {name: (p.min, p.opt, p.max) for name, p in input_profiles(onnx_path, ranges).items()}
@@ -342,9 +342,9 @@ def build_decode_engine(
 
     TensorRT-RTX builds ahead of time (sm89 by default) on a machine without a GPU; datacenter TensorRT
     builds for the GPU it runs on. Run the engine with runtime.backends.TrtBackend. Same as
-    exporters.tensorrt_engine.build_engine(profile=DimRanges.decode(...)), which also writes the sidecar.
+    exporters.tensorrt.engine.build_engine(profile=DimRanges.decode(...)), which also writes the sidecar.
     """
-    from exporters.tensorrt_engine import DimRanges, build_engine
+    from exporters.tensorrt.engine import DimRanges, build_engine
 
     built = build_engine(
         onnx_path,

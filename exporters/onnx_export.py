@@ -25,8 +25,8 @@ import torch
 from exporters.llama import build_model, count_parameters
 from exporters.results import ExportResult
 from exporters.spec import ModelSpec
-from passes.data_files import data_files
-from passes.model_io import save_model, weight_bytes
+from passes.io.data_files import data_files
+from passes.io.model_io import save_model, weight_bytes
 
 # Same as exporters.smollm2.PRUNED_BLOCKS (not imported here: that module imports transformers).
 PRUNED_BLOCKS: tuple[int, ...] = tuple(range(13, 23))

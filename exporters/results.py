@@ -1,4 +1,4 @@
-"""What an export wrote (no torch here: exporters.hf_checkpoint reads checkpoints before importing it)."""
+"""What an export wrote (no torch here: exporters.hf.checkpoint reads checkpoints before importing it)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from passes.file_copy import WRITE_BYTES
+from passes.io.file_copy import WRITE_BYTES
 
 NORMS = (
     "pow_reciprocal",

@@ -3,7 +3,7 @@ residual branches since the previous one (its attention sub-block, if any, and a
 block, numbered in stream order.
 
 The stream walk that finds them is passes/model_map.py (`build_model_map`), the one walker of the
-project; `find_blocks` here returns its blocks.
+project; its `find_blocks` returns these records.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import onnx_ir as ir
 
-from passes.errors import UserError
 from passes.patterns.rmsnorm import Norm
 from passes.patterns.swiglu import SwiGLU
 
@@ -83,24 +82,6 @@ class Block:
             "norm": self.norm.kind,
             "layer": self.layer_name,
         }
-
-
-def find_blocks(model: ir.Model) -> list[Block]:
-    """All blocks of a Llama-family decoder in stream order; UserError if there are none."""
-    from passes.model_map import build_model_map  # the walker imports these records
-
-    return list(build_model_map(model).blocks)
-
-
-def vocab_size(blocks: list[Block]) -> int:
-    """Rows of the token-embedding table that feeds block 0 (through Transpose/Cast, or int4), else the
-    logits' last dim (a pipeline stage); UserError when neither is known."""
-    from passes.model_map import vocab_of
-
-    vocab = vocab_of(blocks[0].block_input)
-    if vocab is None:
-        raise UserError("the vocabulary size is unknown: no token embedding and no static logits dim")
-    return vocab
 
 
 def attention_free_runs(attention: list[bool]) -> list[tuple[int, int]]:

@@ -47,7 +47,7 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None, *at_least_one
 
 
 def add_data_file_size(parser: argparse.ArgumentParser, output: str = "OUTPUT") -> None:
-    """--max-data-file-gb GB: external data in numbered files of at most GB each (passes/data_files.py)."""
+    """--max-data-file-gb GB: external data in numbered files of at most GB each (passes/io/data_files.py)."""
     parser.add_argument(
         "--max-data-file-gb",
         type=float,

@@ -5,7 +5,7 @@
 with gate and up concatenated along the intermediate dimension and down along its input dimension.
 "last" normalizes with the group's last norm weight (the paper); "fold" multiplies each block's own norm
 weight into the rows of its W_gate and W_up, so every FFN sees exactly the input it saw in the parallel
-form. Fused weights are `ConcatTensor`s (passes/stream_concat.py): written in row chunks straight from the
+form. Fused weights are `ConcatTensor`s (passes/io/stream_concat.py): written in row chunks straight from the
 source weights while the model is saved, in the parts' own layout ([in, out], or [out, in] read through a
 Transpose when every part is stored so), never whole in memory. int4 MatMulNBits weights are concatenated
 as they are packed (along N for gate/up; along K for down, when block_size divides every part's K).
@@ -19,12 +19,15 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-from passes.blocks import Block, find_blocks
+from passes.blocks import Block
 from passes.errors import PassInputError, UserError
 from passes.graph import strip_cast
-from passes.patterns.swiglu import NBits, Weight
+from passes.io.stream_concat import ConcatTensor, Part
+from passes.model_map import find_blocks
+from passes.patterns import nbits
+from passes.patterns.nbits import NBits
+from passes.patterns.swiglu import Weight
 from passes.plan import Plan, validate_plan
-from passes.stream_concat import ConcatTensor, Part
 
 PLAN_METADATA_KEY = "ffn_fusion.plan"
 
@@ -236,7 +239,7 @@ def _fused_zero_points(graph, name, weights: list[Weight], axis: int, n: int, bl
         _nbits_part(w, t, -(-w.nbits.blocks * bits // 8), _unpacker(bits, w.nbits.blocks), w.nbits.blocks)
         for w, t in packed
     ]
-    return _register(graph, name, parts, axis, dtype, (n * per_row,), finish=lambda c: _pack(c, bits))
+    return _register(graph, name, parts, axis, dtype, (n * per_row,), finish=lambda c: nbits.pack(c, bits))
 
 
 def _zero_points(q: NBits, per_row: int, dtype: ir.DataType):
@@ -250,20 +253,7 @@ def _zero_points(q: NBits, per_row: int, dtype: ir.DataType):
 
 
 def _unpacker(bits: int, fields: int):
-    return lambda chunk: _unpack(chunk, bits)[:, :fields]
-
-
-def _unpack(packed: np.ndarray, bits: int) -> np.ndarray:
-    fields = packed[..., None] >> np.arange(0, 8, bits, dtype=np.uint8) & np.uint8((1 << bits) - 1)
-    return fields.reshape(packed.shape[0], -1)
-
-
-def _pack(fields: np.ndarray, bits: int) -> np.ndarray:
-    per_byte = 8 // bits
-    padded = np.zeros((fields.shape[0], -(-fields.shape[1] // per_byte) * per_byte), np.uint8)
-    padded[:, : fields.shape[1]] = fields
-    grouped = padded.reshape(fields.shape[0], -1, per_byte) << np.arange(0, 8, bits, dtype=np.uint8)
-    return np.bitwise_or.reduce(grouped, axis=2).astype(np.uint8)
+    return lambda chunk: nbits.unpack(chunk, bits)[:, :fields]
 
 
 def _register(

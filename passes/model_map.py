@@ -28,8 +28,8 @@ Cast/Identity copies of the stream (Optimum casts the stream before every norm).
 previous one, is one block. An attention branch there sets `Block.attention`; a "linear" or "other"
 branch there is a fusion barrier (`Block.barrier`): a plan group may not span either.
 
-This is the only stream walker: passes and tools call `build_model_map` (or `passes.blocks.find_blocks`,
-which returns its blocks, or `walk_stream` where a graph need not have SwiGLU blocks: the sharder).
+This is the only stream walker: passes and tools call `build_model_map` (or `find_blocks`, which
+returns its blocks, or `walk_stream` where a graph need not have SwiGLU blocks: the sharder).
 """
 
 from __future__ import annotations
@@ -468,3 +468,17 @@ def vocab_of(stream_start: ir.Value) -> int | None:
     logits = next((v for v in graph.outputs if v.name == "logits"), graph.outputs[0])
     last = logits.shape[-1] if logits.shape is not None and logits.shape.rank() else None
     return int(last) if isinstance(last, int) else None
+
+
+def find_blocks(model: ir.Model) -> list[Block]:
+    """All blocks of a Llama-family decoder in stream order; UserError if there are none."""
+    return list(build_model_map(model).blocks)
+
+
+def vocab_size(blocks: list[Block]) -> int:
+    """Rows of the token-embedding table that feeds block 0 (through Transpose/Cast, or int4), else the
+    logits' last dim (a pipeline stage); UserError when neither is known."""
+    vocab = vocab_of(blocks[0].block_input)
+    if vocab is None:
+        raise UserError("the vocabulary size is unknown: no token embedding and no static logits dim")
+    return vocab

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import numpy as np
 
-from passes.blocks import Block, find_blocks
+from passes.blocks import Block
 from passes.errors import UserError
 from passes.fuse import FuseFFNGroups
-from passes.model_io import (
+from passes.io.model_io import (
     EXTERNAL_DATA_THRESHOLD,
     commit_output,
     has_external_data,
@@ -20,6 +20,7 @@ from passes.model_io import (
     staged_output,
     weight_bytes,
 )
+from passes.model_map import find_blocks
 from passes.plan import Plan, validate_plan
 from passes.validate import ValidationError, ValidationReport, validate
 

@@ -28,35 +28,6 @@ def swiglu(z: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray) ->
     return (silu(z @ gate) * (z @ up)) @ down
 
 
-def dequantize_nbits(weight: Weight, start: int = 0, stop: int | None = None) -> np.ndarray:
-    """Columns start:stop of the [in, out] float64 matrix of a com.microsoft MatMulNBits weight (see
-    NBits), from its own packed values, scales and zero points: (q - zero_point) * scale per block, low
-    bits first. Only those output rows (N) are read."""
-    q = weight.nbits
-    first = weight.columns[0] if weight.columns is not None else 0
-    stop = weight.shape[1] if stop is None else stop
-    rows = slice(first + start, first + stop)
-    values = _unpack(weight.source.const_value.numpy()[rows], q.bits).reshape(-1, q.blocks, q.block_size)
-    scales = q.scales.const_value.numpy().reshape(q.n, q.blocks)[rows].astype(np.float64)
-    if q.zero_points is None:
-        zero_points = np.full(scales.shape, 2.0 ** (q.bits - 1))
-    else:
-        stored = q.zero_points.const_value.numpy().reshape(q.n, -1)[rows]
-        packed = stored.dtype == np.uint8
-        zero_points = (_unpack(stored, q.bits)[:, : q.blocks] if packed else stored).astype(np.float64)
-        del stored  # no view of the memory map may outlive it
-    matrix = (values - zero_points[..., None]) * scales[..., None]
-    weight.release()
-    return matrix.reshape(len(values), -1)[:, : q.k].T
-
-
-def _unpack(packed: np.ndarray, bits: int) -> np.ndarray:
-    """uint8 bytes -> their `bits`-wide fields, the low bits first (last axis grows 8 / bits times)."""
-    shifts = np.arange(0, 8, bits, dtype=np.uint8)
-    fields = (packed[..., None] >> shifts) & np.uint8((1 << bits) - 1)
-    return fields.reshape(*packed.shape[:-1], -1).astype(np.float64)
-
-
 def norm_weight(block: Block) -> np.ndarray | None:
     weight = block.norm.weight
     return None if weight is None else strip_cast(weight).const_value.numpy().astype(np.float64)
@@ -124,7 +95,7 @@ def matmul(x: np.ndarray, weight: Weight) -> np.ndarray:
 def _stored_rows(weight: Weight, start: int, stop: int) -> np.ndarray:
     """Rows start:stop of the weight as stored ([out, in] when transposed), float64."""
     if weight.nbits is not None:
-        return dequantize_nbits(weight, start, stop).T
+        return weight.dequantized(start, stop).T
     array = weight.source.const_value.numpy()
     columns = weight.columns
     if weight.transposed:

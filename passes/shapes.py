@@ -4,7 +4,7 @@ Every tensor gets a shape whose dims are `Dim` monomials (an integer times named
 "batch" and "seq"), and small integer tensors (shape vectors) also get their values, so that the shape
 arguments of Reshape/Expand can be followed from `Shape(input_ids)` through Concat/Slice/Gather.
 
-`World` runs it over a graph as the single-device model computes it; passes.shard_dims runs it again as
+`World` runs it over a graph as the single-device model computes it; passes.shard.dims runs it again as
 one tensor-parallel rank sees it.
 """
 

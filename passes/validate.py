@@ -21,16 +21,17 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from passes.analysis import split_skip_norms, stream_names
-from passes.blocks import Block, find_blocks, vocab_size
+from passes.analysis.dependency import split_skip_norms, stream_names
+from passes.blocks import Block
 from passes.errors import UserError
 from passes.fuse import PLAN_METADATA_KEY
 from passes.graph_inputs import FeedError, Signature
+from passes.io.model_io import load_model, load_proto, weight_bytes
+from passes.io.sessions import open_session
 from passes.metrics import cosine, l2_relative_error
-from passes.model_io import load_model, load_proto, weight_bytes
+from passes.model_map import find_blocks, vocab_size
 from passes.plan import Plan, parse_plan
 from passes.reference import ffn_weight_bytes, parallel_sum
-from passes.sessions import open_session
 
 # Above this many weight bytes the whole-model run is replaced by per-group subgraph checks. A whole-model
 # run holds every weight in ONNX Runtime, on top of the ~150 MB of the fusing process: a 0.40 GB model
@@ -121,7 +122,8 @@ def validate(
         if (width := fused_blocks[k].width) != sum(b.width for b in group):
             raise ValidationError(f"fused block for group [{first}, {last}] has width {width}")
     proto = load_proto(fused)
-    # Each block's output stream, as the block-by-block runner cuts them (passes/analysis.py): a last block
+    # Each block's output stream, as the block-by-block runner cuts them (passes/analysis/dependency.py): a
+    # last block
     # whose sum the final Skip*Normalization keeps internal (output 3 unnamed) gets it named in `proto`.
     ends = [end for _, end in stream_names(proto, fused_blocks)]
     checks = [(g, group, fused_blocks[k], ends[k]) for g, group, k in pairs]

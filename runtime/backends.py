@@ -6,13 +6,13 @@ that interface, so an ONNX Runtime session, a TensorRT engine and a set of TP ra
 interchangeable.
 
 - `OrtBackend`: ONNX Runtime; CPU, or CUDA when onnxruntime-gpu is installed (`device="cuda"/"auto"`).
-- `TrtBackend`: one TensorRT engine on GPU 0 (datacenter TensorRT through exporters.trt_shim). Thin:
+- `TrtBackend`: one TensorRT engine on GPU 0 (datacenter TensorRT through exporters.tensorrt.shim). Thin:
   inputs and outputs are copied host <-> device on every call (the KV cache travels too).
 - `TpThreadsBackend`: all ranks of a sharded folder (passes.shard) in this process, one thread each,
-  the DistCollective all-reduces done between the threads (runtime.tp.RankProgram runs the segments).
+  the DistCollective all-reduces done between the threads (runtime.tp.ort.RankProgram runs the segments).
   The per-rank KV caches are shown to the caller as one cache, the ranks' heads concatenated on axis 1.
 - `TpRankBackend`: this process's rank of a torch.distributed (gloo) launch; collectives through
-  runtime.tp.torch_collective. Every rank runs the same generation loop on its own cache shard.
+  runtime.tp.ort.torch_collective. Every rank runs the same generation loop on its own cache shard.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import numpy as np
 import onnx
 
 from passes.errors import UserError
-from passes.sessions import open_session, providers_for
+from passes.io.sessions import open_session, providers_for
 
 ORT_DTYPES = {
     "tensor(float)": np.float32,
@@ -96,7 +96,7 @@ class TrtBackend:
     """
 
     def __init__(self, engine_path: str | Path) -> None:
-        from exporters import trt_shim
+        from exporters.tensorrt import shim as trt_shim
 
         opened = trt_shim.open_engine(engine_path)
         self.trt, self.runtime = opened.trt, opened.runtime  # the runtime must outlive the engine
@@ -211,7 +211,7 @@ class TpThreadsBackend:
 
     def __init__(self, directory: str | Path, threads_per_rank: int = 1) -> None:
         from passes.shard import rank_onnx_files
-        from runtime.tp import RankProgram
+        from runtime.tp.ort import RankProgram
 
         self.directory = Path(directory)
         files = rank_onnx_files(self.directory)
@@ -283,7 +283,7 @@ class TpRankBackend:
         self, directory: str | Path, rank: int, world: int, threads: int = 1, device: str = "cpu"
     ) -> None:
         from passes.shard import rank_onnx_files
-        from runtime.tp import RankProgram, torch_collective
+        from runtime.tp.ort import RankProgram, torch_collective
 
         files = rank_onnx_files(directory)
         if len(files) != world:

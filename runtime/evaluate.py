@@ -16,11 +16,11 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from passes.analysis import session
+from passes.analysis.dependency import session
 from passes.errors import UserError
 from passes.graph_inputs import Signature
-from passes.model_io import load_proto
-from runtime.text import TextSet
+from passes.io.model_io import load_proto
+from runtime.text_sets import TextSet
 
 METRICS = ("tokens", "ppl_original", "ppl_fused", "top1_agreement", "kl", "logits_cosine")
 

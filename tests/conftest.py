@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-# The third-party export corpus (issue 9): fixtures `third_party_corpus` and `corpus_hf` (tests/corpus.py).
-from tests.corpus import corpus_hf, third_party_corpus  # noqa: F401
+# The third-party export corpus (issue 9): fixtures `third_party_corpus` and `corpus_hf`
+# (tests/corpora/fixtures.py).
+from tests.corpora.fixtures import corpus_hf, third_party_corpus  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
 

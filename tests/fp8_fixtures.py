@@ -1,5 +1,5 @@
-"""Models and helpers for the FP8 / TensorRT tests (imported by tests/passes/test_fp8.py,
-tests/exporters/test_tensorrt_engine.py and tests/tools/test_build_engines.py).
+"""Models and helpers for the FP8 / TensorRT tests (imported by tests/passes/quant/test_fp8.py,
+tests/exporters/tensorrt/test_engine.py and tests/tools/test_build_engines.py).
 
 MODELS maps a kind to a builder `(folder) -> model.onnx`. Exports happen once per pytest process
 (cached here), so the three test files share them. To test the fused SmolLM2 later, register a builder:
@@ -98,7 +98,7 @@ def _session(path: str):
 
     options = ort.SessionOptions()
     options.log_severity_level = 3
-    from passes.fp8 import ORT_DISABLED_OPTIMIZERS
+    from passes.quant.fp8 import ORT_DISABLED_OPTIMIZERS
 
     return ort.InferenceSession(
         path, options, providers=["CPUExecutionProvider"], disabled_optimizers=ORT_DISABLED_OPTIMIZERS

@@ -9,14 +9,14 @@ import sys
 import time
 from pathlib import Path
 
-from passes.analysis import BlockRunner, analyze, plot_dependency
-from passes.blocks import find_blocks, vocab_size
+from passes.analysis.dependency import BlockRunner, analyze, plot_dependency
+from passes.analysis.propose import DEFAULT_THRESHOLD, NormChoice, choose_norm, propose
 from passes.cli import add_token_source, parse, tool_parser
 from passes.errors import UserError, run_cli
-from passes.model_io import load_model
+from passes.io.model_io import load_model
+from passes.model_map import find_blocks, vocab_size
 from passes.plan import NORM_MODES, validate_plan
-from passes.propose import DEFAULT_THRESHOLD, NormChoice, choose_norm, propose
-from runtime.text import calibration_tokens, windows
+from runtime.text_sets import calibration_tokens, windows
 
 # Default bound on a group's held-out relative squared error after healing (--heal): the error the default
 # unhealed proposal's group has on the pruned SmolLM2 ([17, 18]: 0.20; docs/heal.md).
@@ -64,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--heal",
         action="store_true",
-        help="bound each group's healed error instead of its max dependency (runtime/heal.py, torch)",
+        help="bound each group's healed error instead of its max dependency (runtime/heal/distill.py, torch)",
     )
     parser.add_argument(
         "--heal-threshold",
@@ -146,8 +146,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _healed_costs(args: argparse.Namespace):
-    """Healed errors of candidate groups, measured on demand (torch; runtime/heal.py)."""
-    from runtime.heal import HealedCosts, calibration_windows
+    """Healed errors of candidate groups, measured on demand (torch; runtime/heal/distill.py)."""
+    from runtime.heal.distill import HealedCosts, calibration_windows
 
     vocab = vocab_size(find_blocks(load_model(args.model)))
     source = [args.tokens] if args.tokens else args.text

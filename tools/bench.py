@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 
 from passes.errors import run_cli
-from runtime.bench_report import markdown, plot
-from runtime.decode_bench import BenchSettings, run_benchmark
+from runtime.bench.decode import BenchSettings, run_benchmark
+from runtime.bench.report import markdown, plot
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

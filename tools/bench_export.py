@@ -4,7 +4,7 @@ Measures, side by side and each in a fresh child process (peak RSS from /proc Vm
 checkpoint's safetensors files, the bf16 export (weights copied by the kernel in a second thread while the
 graph is built with onnx-ir, no torch), and with --convert the float16 export, alternating for
 --rounds rounds after one untimed copy (the page cache in the same state for each; `sync` before each).
-Bounds: peak RSS <= 1 GB + the largest single tensor, time within 2x of the copy (exporters/hf_bench.py).
+Bounds: peak RSS <= 1 GB + the largest single tensor, time within 2x of the copy (runtime/bench/export.py).
 Default: hidden 2048, 72 layers (every other one attention-free), vocab 32000: about 3.8 GB bf16; needs
 about 2.5x that of free disk in --workdir (default /tmp); everything is deleted afterwards.
 
@@ -19,8 +19,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from exporters.hf_bench import bench
 from passes.errors import run_cli
+from runtime.bench.export import bench
 
 
 def main() -> int:

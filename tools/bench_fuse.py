@@ -5,7 +5,8 @@ By default it measures both shapes of issue 13 in one run, each against a copy o
   fp16-3x8192x28672-one-group     3 fp16 FFNs of Llama-70B's shape, fused in one group
 each with "fold" and "last", and, on the first, FP8 quantization, TP 8 sharding and tools/analyze.py
 (--engine: also an FP8 TensorRT-RTX engine build). Each step runs in a fresh child process whose own
-peak RSS is read (runtime/peak_memory.py). Bounds: fusing <= 256 MB and <= 1.2x the copy; with validation,
+peak RSS is read (runtime/bench/peak_memory.py). Bounds: fusing <= 256 MB and <= 1.2x the copy; with
+validation,
 FP8, sharding and analysis <= 512 MB. Needs about 3x the model size of free disk in --workdir.
 Times against the copy, three ways: best against best copy, median against median copy, and "paired": the
 median over the rounds of each fusion's time over the mean of the copies just before and after its round
@@ -31,7 +32,7 @@ import tempfile
 from pathlib import Path
 
 from passes.errors import UserError, run_cli
-from runtime import fuse_bench
+from runtime.bench import fuse as fuse_bench
 
 
 def parse_shape(text: str) -> tuple[str, tuple]:

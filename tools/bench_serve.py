@@ -1,5 +1,5 @@
 """Serving benchmark: TTFT, inter-token latency p50/p90/p99 and output tokens/s of one or two OpenAI-API
-servers at several concurrencies, the servers measured alternately in one run (runtime/serve/bench.py).
+servers at several concurrencies, the servers measured alternately in one run (runtime/bench/serve.py).
 
     python tools/bench_serve.py http://127.0.0.1:8000 http://127.0.0.1:8001 \\
         --concurrency 1 2 4 8 --requests 32 [--labels original fused] [--max-tokens 32] \\
@@ -34,7 +34,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def check(args: argparse.Namespace) -> list:
-    from runtime.serve.bench import Target
+    from runtime.bench.serve import Target
 
     if len(args.urls) > 2:
         raise UserError("give one or two server URLs (original, then fused)")
@@ -63,7 +63,7 @@ def check(args: argparse.Namespace) -> list:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     targets = check(args)
-    from runtime.serve import bench
+    from runtime.bench import serve as bench
 
     data = bench.run(
         targets,

@@ -15,9 +15,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from exporters.engines import TOKENIZERS, Calibration, EngineRequest, build_engines
-from exporters.tensorrt_engine import Profile
+from exporters.tensorrt.engine import Profile
 from passes.errors import run_cli
+from runtime.deploy import TOKENIZERS, Calibration, EngineRequest, build_engines
 
 CALIB_HELP = """\
 calibration (--fp8):

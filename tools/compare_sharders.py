@@ -1,7 +1,7 @@
 """Side by side: passes.shard (tools/shard_tp.py) and Polygraphy's `polygraphy multi-device shard`.
 
 Both sharders run on the same models, each in its own process (wall time and that process's peak RSS
-are measured), and every set of rank graphs is then run on CPU by runtime.tp.run_simulated and compared
+are measured), and every set of rank graphs is then run on CPU by runtime.tp.ort.run_simulated and compared
 with the single-device model (max |tp - ref| / max |ref|; <= 1e-5 counts as correct). Polygraphy is fed
 a hints file made by `polygraphy template shard-hints --parallelism TP --nb-rank N`.
 
@@ -10,7 +10,7 @@ Examples:
   python tools/compare_sharders.py --big-hidden 0          # small models only
   python tools/compare_sharders.py --work /tmp/cmp --json results.json
 
-Models (exported by exporters.onnx_export, fused by passes.pipeline, FP8 by passes.fp8):
+Models (exported by exporters.onnx_export, fused by passes.pipeline, FP8 by passes.quant.fp8):
   m49        Super-49B pattern, 8 heads / 1 KV head, hidden 64, 9 blocks (4 attention), FFN widths
              60/100/44 that 8 does not divide
   m49-fused  the same with groups [1,3] and [5,7] fused (one FFN of 384 and one of 212)
@@ -30,7 +30,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from passes.errors import run_cli
-from runtime.sharder_comparison import format_table, run_comparison
+from runtime.bench.sharders import format_table, run_comparison
 
 
 def main(argv: list[str] | None = None) -> int:

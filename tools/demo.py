@@ -2,7 +2,7 @@
 
 The demo starts where a user with a Hugging Face checkpoint starts: a model folder saved by transformers
 (config.json, model.safetensors, tokenizer files; here SmolLM2 with attention dropped from blocks 13-22 by
-exporters.hf_folder). Export it with `export_model.py --hf` (weights streamed from the safetensors),
+exporters.hf.folder). Export it with `export_model.py --hf` (weights streamed from the safetensors),
 analyze block dependencies and propose a plan, fuse and validate, evaluate quality on held-out text, then
 generate text with the fused model's KV-cache decode graph. Each step prints the
 command it runs, so the demo doubles as a tutorial. Outputs go to demo_out/ (exports are reused).
@@ -29,7 +29,7 @@ def step(title: str, tool: str, *args: object) -> None:
         raise SystemExit(f"error: step '{title}' failed")
 
 
-SAVE_FOLDER = "import sys; from exporters.hf_folder import save_smollm2 as s; s(sys.argv[1], range(13, 23))"
+SAVE_FOLDER = "import sys; from exporters.hf.folder import save_smollm2 as s; s(sys.argv[1], range(13, 23))"
 
 
 def save_folder_once(folder: Path) -> None:

@@ -8,12 +8,12 @@ import json
 import sys
 from pathlib import Path
 
-from passes.blocks import find_blocks, vocab_size
 from passes.cli import add_token_source, parse, tool_parser
 from passes.errors import UserError, run_cli
-from passes.model_io import load_model
+from passes.io.model_io import load_model
+from passes.model_map import find_blocks, vocab_size
 from runtime.evaluate import evaluate, format_table
-from runtime.text import CALIBRATION_FILES, evaluation_sets
+from runtime.text_sets import CALIBRATION_FILES, evaluation_sets
 
 EPILOG = """\
 examples:

@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def export_hf_folder(args: argparse.Namespace) -> int:
-    from exporters import hf_checkpoint
+    from exporters.hf import checkpoint as hf_checkpoint
 
     result = hf_checkpoint.export_hf(args.hf, args.output, dtype=args.dtype, opset=args.opset,
                                      decode=args.decode,

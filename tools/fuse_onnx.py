@@ -8,11 +8,11 @@ import sys
 import time
 from pathlib import Path
 
-from passes.blocks import find_blocks
 from passes.cli import add_data_file_size, data_file_bytes, tool_parser
 from passes.display import format_block_table
 from passes.errors import UserError, run_cli
-from passes.model_io import load_model
+from passes.io.model_io import load_model
+from passes.model_map import find_blocks
 from passes.pipeline import fuse_file
 from passes.plan import load_plan
 from passes.validate import plan_from_metadata, validate

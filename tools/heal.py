@@ -9,7 +9,7 @@ from pathlib import Path
 
 from passes.cli import add_options, parse, tool_parser
 from passes.errors import run_cli
-from runtime.heal import HEAL_DEFAULTS, INPUT_MODES, LOSSES, HealConfig, run_heal
+from runtime.heal.distill import HEAL_DEFAULTS, INPUT_MODES, LOSSES, HealConfig, run_heal
 
 EPILOG = """\
 examples:

@@ -9,7 +9,7 @@ import argparse
 import json
 
 from passes.errors import run_cli
-from runtime.latency_model import format_report, report
+from runtime.bench.latency_model import format_report, report
 
 
 def main() -> int:

@@ -8,8 +8,8 @@ Examples:
   torchrun --nproc-per-node 8 tools/run_tp.py tp8/ --tokens ids.npy --out logits.npy --backend trt   # GPUs
 
 --tokens is an int64 .npy of token ids [batch, seq]; rank 0 writes float32 logits to --out. The ORT
-backend runs each rank graph in ONNX Runtime, cut at its DistCollective nodes (runtime/tp.py); the trt
-backend runs one TensorRT engine per rank with an NCCL communicator (runtime/tp_trt.py, needs GPUs;
+backend runs each rank graph in ONNX Runtime, cut at its DistCollective nodes (runtime/tp/ort.py); the trt
+backend runs one TensorRT engine per rank with an NCCL communicator (runtime/tp/trt.py, needs GPUs;
 engines default to DIR/rank{r}/model.engine, or --engines 'engines/rank{rank}.engine').
 """
 
@@ -60,8 +60,8 @@ def load_tokens(path: Path) -> np.ndarray:
 
 
 def _reference_error(model: Path, tokens: np.ndarray, logits: np.ndarray) -> float:
+    from passes.io.sessions import open_session
     from passes.metrics import max_abs_relative_error
-    from passes.sessions import open_session
 
     session = open_session(model, threads=1)
     reference = session.run(None, {session.get_inputs()[0].name: tokens})[0]
@@ -70,14 +70,14 @@ def _reference_error(model: Path, tokens: np.ndarray, logits: np.ndarray) -> flo
 
 def run_one(args: argparse.Namespace, directory: Path, tokens: np.ndarray) -> np.ndarray | None:
     if args.simulate:
-        from runtime.tp import run_simulated
+        from runtime.tp.ort import run_simulated
 
         return run_simulated(directory, tokens, threads=args.threads)
     if args.backend == "trt":
-        from runtime.tp_trt import run_distributed_trt
+        from runtime.tp.trt import run_distributed_trt
 
         return run_distributed_trt(directory, tokens, engine_pattern=args.engines)
-    from runtime.tp import run_distributed
+    from runtime.tp.ort import run_distributed
 
     return run_distributed(directory, tokens, threads=args.threads)
 

@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _plan_note(path: Path) -> str:
-    from passes.model_io import load_proto
+    from passes.io.model_io import load_proto
 
     for prop in load_proto(path).metadata_props:
         if prop.key == "ffn_fusion.plan":

@@ -5,8 +5,8 @@ reached through Transpose/Cast/Identity/DequantizeLinear (FP8 Q/DQ), and ORT's M
     ref = weight_ref(node)       # WeightRef | None
     linear_shape(node)           # (in, out) as the layer multiplies; NoMatch when it is no such layer
 
-The attention and SwiGLU recognizers (passes.patterns.attention, .swiglu), the sharder (passes.shard_graph)
-and FP8's linear-layer finder (passes.linears) all read linear layers through this module.
+The attention and SwiGLU recognizers (passes.patterns.attention, .swiglu), the sharder (passes.shard.graph)
+and FP8's linear-layer finder (passes.quant.linears) all read linear layers through this module.
 """
 
 from __future__ import annotations

@@ -15,27 +15,7 @@ import onnx_ir as ir
 
 from passes.graph import NoMatch, attr, constant, is_initializer, maybe_producer, producer
 from passes.patterns.linear import WeightRef, linear_weight
-
-
-@dataclass(frozen=True)
-class NBits:
-    """A com.microsoft MatMulNBits weight: W[n, k] = (q - zero_point) * scale per block of `block_size` k's.
-
-    `source` (the Weight's) holds q packed as uint8 [N, blocks, block_size * bits / 8], low bits first;
-    scales are [N * blocks] (or [N, blocks]); zero points are packed uint8 [N * ceil(blocks * bits / 8)]
-    or of the scales' type [N * blocks]; absent, they are 2^(bits - 1)."""
-
-    node: ir.Node  # the MatMulNBits node (its other attributes are kept when fused)
-    scales: ir.Value
-    zero_points: ir.Value | None
-    k: int
-    n: int
-    bits: int
-    block_size: int
-
-    @property
-    def blocks(self) -> int:
-        return -(-self.k // self.block_size)
+from passes.patterns.nbits import NBits
 
 
 @dataclass(frozen=True)
@@ -63,14 +43,21 @@ class Weight:
 
     def matrix(self) -> np.ndarray:
         """The [in, out] matrix in its stored dtype (reads the initializer; external data stays mapped).
-        MatMulNBits weights are dequantized by the reference (float64)."""
+        MatMulNBits weights are dequantized (float64, passes/patterns/nbits.py)."""
         if self.nbits is not None:
-            from passes.reference import dequantize_nbits  # the reference is the one dequantizer
-
-            return dequantize_nbits(self)
+            return self.dequantized()
         array = self.source.const_value.numpy()
         array = array.T if self.transposed else array
         return array if self.columns is None else array[:, self.columns[0] : self.columns[1]]
+
+    def dequantized(self, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Columns start:stop of a MatMulNBits weight's [in, out] matrix, float64 (only those rows are
+        read)."""
+        first = self.columns[0] if self.columns is not None else 0
+        stop = self.shape[1] if stop is None else stop
+        matrix = self.nbits.dequantize(self.source.const_value.numpy(), slice(first + start, first + stop))
+        self.release()
+        return matrix
 
     def release(self) -> None:
         """Unmap external data after reading, so memory does not grow with the model."""

@@ -8,7 +8,7 @@ MODEL may be
   or the folder's only .onnx file).
 
 The tokenizer is the folder's (tokenizer.json / tokenizer_config.json, through transformers), else
-SmolLM2's when the vocabulary is SmolLM2's (runtime.text.tokenizer_for). End-of-sequence ids come from
+SmolLM2's when the vocabulary is SmolLM2's (runtime.text_sets.tokenizer_for). End-of-sequence ids come from
 generation_config.json, genai_config.json and the tokenizer; the context length from config.json
 (max_position_embeddings) or genai_config.json (context_length).
 """
@@ -205,7 +205,7 @@ class EngineLimits:
 
 def engine_limits(engine: Path) -> EngineLimits:
     """The bounds of a TensorRT engine's optimization profile, from its sidecar <engine>.json
-    (exporters.tensorrt_engine): max batch and sequence of input_ids, max length of attention_mask."""
+    (exporters.tensorrt.engine): max batch and sequence of input_ids, max length of attention_mask."""
     profile = _read_json(engine.with_name(engine.name + ".json")).get("profile") or {}
     ids, mask = profile.get("input_ids", {}).get("max"), profile.get("attention_mask", {}).get("max")
     return EngineLimits(
@@ -227,7 +227,7 @@ def load_tokenizer(folder: Path, vocab: int | None) -> Any:
             return AutoTokenizer.from_pretrained(str(folder))
         except (OSError, ValueError) as exc:
             raise UserError(f"cannot load the tokenizer in {folder}: {exc}") from None
-    from runtime.text import tokenizer_for
+    from runtime.text_sets import tokenizer_for
 
     tokenizer = tokenizer_for(vocab) if vocab else None
     if tokenizer is None:

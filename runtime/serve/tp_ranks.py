@@ -2,7 +2,7 @@
 
 `TpRanks` is a `runtime.serve.batch.Runner`, so the scheduler drives it like any other backend. It spawns
 one process per rank graph of a sharded folder (passes.shard). Every rank process joins one
-torch.distributed group on 127.0.0.1 (runtime.decode_bench.init_gloo), opens its rank graph
+torch.distributed group on 127.0.0.1 (runtime.tp.gloo.init_gloo), opens its rank graph
 (runtime.backends.TpRankBackend: ONNX Runtime segments, DistCollective all-reduces through
 torch.distributed) and keeps ITS OWN share of the KV caches in the runner batch.py gives its graph.
 
@@ -37,7 +37,7 @@ from passes.errors import UserError
 ERROR_GRACE_S = 5.0  # after one rank reports an error, how long the others may take to answer
 STOP_WAIT_S = 10.0
 COMMS = ("gloo", "nccl")
-PRELOAD = ["torch.distributed", "runtime.backends", "runtime.decode_bench", "runtime.serve.tp_ranks"]
+PRELOAD = ["torch.distributed", "runtime.backends", "runtime.bench.decode", "runtime.serve.tp_ranks"]
 
 
 class RanksDown(RuntimeError):
@@ -64,9 +64,9 @@ def _rank_main(rank: int, settings: RankSettings, conn: Connection) -> None:
     import torch.distributed as dist
 
     from runtime.backends import TpRankBackend
-    from runtime.decode_bench import init_gloo
     from runtime.generate import DecodeModel
     from runtime.serve.batch import runner_for
+    from runtime.tp.gloo import init_gloo
 
     try:
         init_gloo(rank, settings.world, settings.port, settings.comm, settings.timeout_s)
@@ -121,7 +121,7 @@ class TpRanks:
         start_timeout_s: float = 600.0,
     ) -> None:
         from passes.shard import rank_onnx_files
-        from runtime.decode_bench import free_port
+        from runtime.tp.gloo import free_port
 
         if comm not in COMMS:
             raise UserError(f"unknown collective backend {comm!r}; use {' or '.join(COMMS)}")

@@ -2,7 +2,7 @@
 
 - `save_llama_family`: a random LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM saved by
   transformers' own `save_pretrained` (sharded with an index when `max_shard_size` is given).
-- nemotron-nas (DeciLM) checkpoints in the published layout: exporters.hf_synthetic (re-exported here;
+- nemotron-nas (DeciLM) checkpoints in the published layout: exporters.hf.synthetic (re-exported here;
   tools/bench_export.py uses it too).
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from exporters.hf_synthetic import (  # noqa: F401  (re-exported for the tests)
+from exporters.hf.synthetic import (  # noqa: F401  (re-exported for the tests)
     LLAMA3_ROPE,
     deci_block,
     nemotron_config,
@@ -34,7 +34,7 @@ def save_llama_family(
     """A tiny random model of `architecture` saved with save_pretrained (float32 unless dtype given).
 
     `drop_attention` zeroes those layers' o_proj and lists them in config.json the way
-    exporters.hf_folder.save_smollm2 does (transformers then computes h + mlp(norm(h)) there).
+    exporters.hf.folder.save_smollm2 does (transformers then computes h + mlp(norm(h)) there).
     """
     import transformers
 
@@ -69,7 +69,7 @@ def save_llama_family(
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(folder, **kwargs)
     if drop_attention:
-        from exporters.hf_folder import DROPPED_ATTENTION_KEY
+        from exporters.hf.folder import DROPPED_ATTENTION_KEY
 
         path = Path(folder) / "config.json"
         path.write_text(

@@ -11,8 +11,8 @@ import torch
 
 from exporters.decode import METADATA_KEY, decode_model_from_spec, empty_past
 from exporters.llama import build_model
-from passes.blocks import find_blocks
-from passes.model_io import load_model
+from passes.io.model_io import load_model
+from passes.model_map import find_blocks
 from tests import decode_fixtures as fx
 
 TOL = 1e-4
@@ -168,8 +168,8 @@ def test_fuse_file_validates_decode_graph(models, tmp_path):
 def test_fp8_decode_graph_keeps_cache_semantics(models, tmp_path):
     """FP8 Q/DQ (static per-tensor scales) on a decode graph: decode from the cache still equals a full
     re-run of the same FP8 graph, and stays close to fp32."""
-    from passes.fp8 import calibrate, quantize_fp8
-    from passes.model_io import save_model
+    from passes.io.model_io import save_model
+    from passes.quant.fp8 import calibrate, quantize_fp8
 
     path = models("decode_fused")
     ids = tokens(2, 9, seed=6)
@@ -216,8 +216,8 @@ def test_tp2_decode_graph_equals_single_device(models, tmp_path):
 def test_tensorrt_builds_decode_engine_with_empty_cache_profile(models, tmp_path):
     """TensorRT's ONNX parser and builder accept the fused decode graph, past_len from 0 (TensorRT-RTX here,
     ahead of time for sm89; the engine runs through runtime.backends.TrtBackend on a GPU)."""
-    from exporters import trt_shim
     from exporters.decode import build_decode_engine, engine_profile
+    from exporters.tensorrt import shim as trt_shim
     from passes.errors import UserError
 
     try:

@@ -6,8 +6,8 @@ import onnx
 import pytest
 
 from exporters.synthetic import SyntheticSpec, build_synthetic
-from passes.blocks import find_blocks
-from passes.model_io import load_model
+from passes.io.model_io import load_model
+from passes.model_map import find_blocks
 
 SKIP_NORM_BLOCKS = [(False, 12), (False, 16), (False, 24), (False, 20)]
 

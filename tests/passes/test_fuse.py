@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from exporters.synthetic import SyntheticSpec, build_synthetic
-from passes.blocks import find_blocks
 from passes.fuse import PLAN_METADATA_KEY
-from passes.model_io import load_model, load_proto
+from passes.io.model_io import load_model, load_proto
+from passes.model_map import find_blocks
 from passes.pipeline import fuse_file
 from passes.plan import Plan
 from passes.reference import swiglu
@@ -135,9 +135,9 @@ def test_the_streamed_check_catches_a_wrong_fused_weight(tmp_path, monkeypatch):
 def test_weight_forms_stream_into_the_fused_file(tmp_path, monkeypatch, ffn, dtype):
     """[out, in] weights stay [out, in] (read through a Transpose); halves of a gate_up weight; bf16 rows;
     written in chunks of a few rows."""
-    import passes.stream_concat
+    import passes.io.stream_concat
 
-    monkeypatch.setattr(passes.stream_concat, "CHUNK_BYTES", 100)
+    monkeypatch.setattr(passes.io.stream_concat, "CHUNK_BYTES", 100)
     spec = SyntheticSpec(blocks=SPEC.blocks, ffn=ffn, dtype=dtype, norm="cast_fp32")
     path = build_synthetic(spec, tmp_path / "model.onnx", external=True)
     for mode in ("last", "fold"):

@@ -11,8 +11,8 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from passes.blocks import find_blocks
-from passes.model_io import load_model
+from passes.io.model_io import load_model
+from passes.model_map import find_blocks
 from passes.pipeline import fuse_file
 from passes.plan import Plan
 from tests.torch_reference import parallel_model  # tests/torch_reference.py

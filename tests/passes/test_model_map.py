@@ -1,5 +1,5 @@
 """The model map (passes/model_map.py) and graph-input roles (passes/graph_inputs.py) on small graphs in
-the shapes third-party exporters write; the real exports are in tests/tools/test_third_party.py."""
+the shapes third-party exporters write; the real exports are in tests/corpora/test_third_party.py."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from onnx import TensorProto, helper, numpy_helper
 from exporters.synthetic import SyntheticSpec, build_synthetic
 from passes.errors import UserError
 from passes.graph_inputs import FeedError, Role, Signature
-from passes.model_io import load_model
+from passes.io.model_io import load_model
 from passes.model_map import build_model_map
 from passes.pipeline import fuse_file
 from passes.plan import Plan

@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from exporters.hf_checkpoint import export_hf
+from exporters.hf.checkpoint import export_hf
 from passes.errors import UserError
-from passes.model_io import load_model
+from passes.io.model_io import load_model
 from passes.model_map import build_model_map
 from passes.patterns.attention import is_linear
 from passes.plan import parse_plan, validate_plan
@@ -92,11 +92,11 @@ def test_linear_branch_shards_row_parallel(linear_nemotron, tmp_path, tp) -> Non
     its share of the replicated input features and multiplies by its rows; the all-reduce sums them."""
     import onnx
 
+    from passes.io.sessions import open_session
     from passes.metrics import max_abs_relative_error
-    from passes.sessions import open_session
     from passes.shard import shard_file
-    from passes.shard_graph import find_structure
-    from runtime.tp import run_simulated
+    from passes.shard.graph import find_structure
+    from runtime.tp.ort import run_simulated
 
     source = linear_nemotron[1]
     structure = find_structure(load_model(source))

@@ -1,5 +1,6 @@
 """fuse -> FP8 -> one TP rank as onnx-ir passes in one PassManager, against the same steps one after another
-(the files tests/passes/test_shard.py builds: fuse_file, quantize_fp8 on the saved fused model, shard_file),
+(the files tests/passes/shard/test_shard.py builds: fuse_file, quantize_fp8 on the saved fused model,
+shard_file),
 and each pass's requires/ensures: bad input is a UserError, a broken post-condition an internal error."""
 
 from __future__ import annotations
@@ -9,14 +10,14 @@ import onnx_ir as ir
 import pytest
 
 from passes.errors import INTERNAL_ERROR_STATUS, PassInputError, UserError, run_cli
-from passes.fp8 import QuantizeFP8, calibrate
 from passes.fuse import PLAN_METADATA_KEY, FuseFFNGroups
-from passes.model_io import load_model, save_model
+from passes.io.model_io import load_model, save_model
 from passes.plan import Plan
+from passes.quant.fp8 import QuantizeFP8, calibrate
 from passes.shard import COLLECTIVE_OP, ShardRank, count_allreduces, shard_file
-from runtime.sharder_comparison import SMALL_GROUPS
-from runtime.tp import run_simulated
-from tests.passes.test_shard import TpModels, build_models, single_device, tokens
+from runtime.bench.sharders import SMALL_GROUPS
+from runtime.tp.ort import run_simulated
+from tests.passes.shard.test_shard import TpModels, build_models, single_device, tokens
 
 
 @pytest.fixture(scope="module")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from exporters.synthetic import SyntheticSpec, build_synthetic
-from passes.blocks import find_blocks
 from passes.errors import UserError
-from passes.model_io import load_model
+from passes.io.model_io import load_model
+from passes.model_map import find_blocks
 from passes.plan import Plan, parse_plan, validate_plan
 
 

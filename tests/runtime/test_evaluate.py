@@ -15,9 +15,9 @@ from exporters.synthetic import SyntheticSpec, build_synthetic
 from passes.errors import UserError
 from passes.pipeline import fuse_file
 from passes.plan import Plan
-from runtime import text
+from runtime import text_sets as text
 from runtime.evaluate import evaluate, format_table
-from runtime.text import TextSet, windows
+from runtime.text_sets import TextSet, windows
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCKS = [(True, 48), (False, 64), (False, 40), (False, 56), (True, 32)]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from passes.errors import UserError
-from passes.sessions import providers_for
+from passes.io.sessions import providers_for
 from runtime.backends import OrtBackend, TpThreadsBackend, TrtBackend
 from runtime.generate import DecodeModel, greedy_generate, left_pad
 from tests import decode_fixtures as fx
@@ -101,8 +101,8 @@ def test_smollm2_decode_graph_equals_hf_and_fuses(smollm2_decode_onnx, tmp_path)
     """The real model: decode-graph logits equal Hugging Face's (prefill + 3 cached steps), the block table
     is SmolLM2's, the project plan fuses it, and the fused model generates text."""
     from exporters import smollm2
-    from passes.blocks import find_blocks
-    from passes.model_io import load_model
+    from passes.io.model_io import load_model
+    from passes.model_map import find_blocks
     from passes.pipeline import fuse_file
     from passes.plan import Plan
     from runtime.generate import generate_text

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from runtime import fuse_bench
+from runtime.bench import fuse as fuse_bench
 from tests.conftest import ROOT
 
 

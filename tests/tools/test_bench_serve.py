@@ -66,7 +66,7 @@ def test_bench_serve_measures_both_servers_side_by_side(servers, tool, tmp_path)
     assert [r["concurrency"] for r in data["throughput_ratio"]] == [1, 4]
     markdown = (out / "bench_serve.md").read_text()
     assert "| 4 | fused |" in markdown and markdown in result.stdout
-    assert "cores; ONNX Runtime " in markdown  # runtime.bench_report.machine_line, as the generation report
+    assert "cores; ONNX Runtime " in markdown  # runtime.bench.report.machine_line, as the generation report
     assert (out / "bench_serve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

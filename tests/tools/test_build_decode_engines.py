@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from exporters import tensorrt_engine as te
-from exporters import trt_shim
+from exporters.tensorrt import engine as te
+from exporters.tensorrt import shim as trt_shim
 from passes.errors import UserError
 from tests import decode_fixtures
 

@@ -15,10 +15,10 @@ from onnx import helper, numpy_helper
 from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
 from exporters.synthetic import SyntheticSpec, build_synthetic
-from passes.blocks import find_blocks
 from passes.errors import PassInputError, UserError
 from passes.fuse import FuseFFNGroups
-from passes.model_io import load_model, load_proto, save_model
+from passes.io.model_io import load_model, load_proto, save_model
+from passes.model_map import find_blocks
 from passes.pipeline import fuse_file
 from passes.plan import Plan
 

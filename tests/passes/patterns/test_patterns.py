@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from exporters.synthetic import FFNS, NORMS, SyntheticSpec, build_synthetic
-from passes.blocks import find_blocks
-from passes.model_io import load_model, load_proto
+from passes.io.model_io import load_model, load_proto
+from passes.model_map import find_blocks
 from passes.pipeline import fuse_file
 from passes.plan import Plan
 

@@ -1,0 +1,1 @@
+"""Hugging Face checkpoints (Llama, Nemotron-NAS) -> ONNX, streamed, without torch on the weight path."""

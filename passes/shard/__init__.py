@@ -1,0 +1,77 @@
+"""Tensor-parallel sharding: split a Llama-family ONNX model into N rank graphs (Megatron layout).
+
+Per residual branch (passes.shard.graph finds them by structure):
+
+- attention (any form passes.patterns.attention knows): q/k/v (or one packed qkv) column-parallel by
+  heads, o_proj row-parallel. Any head count at any N: heads are zero-padded to an equal share per rank
+  (passes.shard.plan.HeadPlan), and with fewer KV heads than ranks each KV head is replicated on the
+  ranks whose query heads use it.
+- FFN (SwiGLU, and fused wide FFNs, which are just wider): gate/up column-parallel, down row-parallel;
+  widths not divisible by N are padded with zero columns (gate/up) and zero rows (down), which is exact.
+- after each row-parallel MatMul, exactly one all-reduce: a `DistCollective` node (domain "trt";
+  TensorRT's ONNX parser matches the op by name and ignores the domain) with
+  collective_operation="all_reduce", reduce_op="sum", root=-1, group_size=0, nb_rank=N.
+- embeddings and lm_head replicated; `lm_head="vocab"` splits the lm_head by vocabulary and gathers the
+  logits with one all_gather DistCollective.
+
+Decode graphs (exporters/decode.py) shard too: a past K/V graph input concatenated with an attention
+branch's new keys/values, and the present output that Concat makes, hold the rank's KV heads (split, or
+the one replicated head its queries use), and their declared shapes say so (the TP runtimes read them).
+
+FP8 Q/DQ graphs shard too: per-channel DequantizeLinear scales travel with their weight slices,
+per-tensor scales are replicated. The Reshape/Expand shape constants that encode head counts are
+rewritten per rank (passes.shard.dims works out which). Weights are sliced lazily from the memory-mapped
+source while each rank's model is saved, one tensor at a time.
+
+This module is the public API; the work is split into passes.shard.graph (roles), shard_plan (which
+heads/columns each rank keeps), shard_dims (the rank world), shard_rewrite (one rank graph),
+shard_pass (ShardRank: that rewrite as an onnx-ir pass, rank r of N a parameter, since a PassManager
+carries one model and sharding makes N), shard_collectives (DistCollective, counting) and shard_files
+(rank files, tp.json).
+"""
+
+from __future__ import annotations
+
+from passes.shard.collectives import COLLECTIVE_DOMAIN, COLLECTIVE_OP, count_allreduces
+from passes.shard.files import (
+    MANIFEST,
+    MANIFEST_FORMAT,
+    BranchSummary,
+    ShardReport,
+    rank_onnx_files,
+    read_manifest,
+    shard_file,
+    shard_model,
+    summarize,
+    write_manifest,
+)
+from passes.shard.plan import VALID_TP, HeadPlan, WeightSlice, check_tp, kv_layout, plan_slices
+from passes.shard.rank_pass import ShardRank
+from passes.shard.rewrite import LM_HEAD_MODES, METADATA_KEY, RankInfo, shard_in_memory
+
+__all__ = [
+    "COLLECTIVE_DOMAIN",
+    "COLLECTIVE_OP",
+    "LM_HEAD_MODES",
+    "MANIFEST",
+    "MANIFEST_FORMAT",
+    "METADATA_KEY",
+    "VALID_TP",
+    "BranchSummary",
+    "HeadPlan",
+    "RankInfo",
+    "ShardRank",
+    "ShardReport",
+    "WeightSlice",
+    "check_tp",
+    "count_allreduces",
+    "kv_layout",
+    "plan_slices",
+    "rank_onnx_files",
+    "read_manifest",
+    "shard_file",
+    "shard_in_memory",
+    "shard_model",
+    "summarize",
+    "write_manifest",
+]

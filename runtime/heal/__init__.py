@@ -1,0 +1,1 @@
+"""Healing: blockwise local distillation of fused weights towards the original blocks."""

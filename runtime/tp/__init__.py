@@ -1,0 +1,1 @@
+"""Tensor-parallel ranks: ONNX Runtime ranks over gloo, TensorRT ranks over NCCL."""

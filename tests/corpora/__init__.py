@@ -1,0 +1,1 @@
+"""Test corpora: real third-party exports of SmolLM2 (Optimum, ONNX Runtime GenAI, torch.onnx, ...)."""

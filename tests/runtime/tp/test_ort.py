@@ -1,0 +1,199 @@
+"""The CPU tensor-parallel runtime: real torchrun launches (gloo all-reduces) against one device, the
+segment split, and TensorRT-RTX ahead-of-time builds of every rank graph (DistCollective included)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from passes.metrics import max_abs_relative_error
+from passes.shard import count_allreduces, shard_file
+from runtime.tp.ort import RankProgram, run_simulated, split_rank_graph
+from tests.passes.shard.test_shard import TOLERANCE, TpModels, build_models, single_device, tokens
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory: pytest.TempPathFactory) -> TpModels:
+    return build_models(tmp_path_factory.getbasetemp())
+
+
+def _torchrun(
+    tp: int, dirs: list[Path], outs: list[Path], ids: Path, timeout: float = 240
+) -> subprocess.CompletedProcess:
+    torchrun = Path(sys.executable).with_name("torchrun")
+    port = 29500 + 17 * tp + os.getpid() % 97
+    command = [
+        str(torchrun),
+        "--nproc-per-node",
+        str(tp),
+        "--master-port",
+        str(port),
+        str(ROOT / "tools" / "run_tp.py"),
+        *map(str, dirs),
+        "--tokens",
+        str(ids),
+        "--out",
+        *map(str, outs),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_torchrun_logits_equal_single_device(models: TpModels, tmp_path: Path, tp: int) -> None:
+    """One launch per tp runs the unfused and the fused Super-49B-pattern model (N processes, gloo)."""
+    ids = tokens(seq=13)
+    np.save(tmp_path / "ids.npy", ids)
+    sources = [models.unfused, models.fused]
+    dirs = [tmp_path / f"{m.stem}_tp{tp}" for m in sources]
+    for model, directory in zip(sources, dirs, strict=True):
+        shard_file(model, tp, directory, progress=False)
+    outs = [d.with_suffix(".npy") for d in dirs]
+    run = _torchrun(tp, dirs, outs, tmp_path / "ids.npy")
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    for model, out in zip(sources, outs, strict=True):
+        logits = np.load(out)
+        assert logits.dtype == np.float32 and logits.shape == (2, 13, 256)
+        error = max_abs_relative_error(logits, single_device(model, ids))
+        assert error <= TOLERANCE, f"{model.name} tp={tp}: relative error {error:.2e}"
+
+
+# ------------------------------------------------------------------------------------------ SmolLM2
+
+
+@pytest.fixture(scope="session")
+def smollm2_fused(smollm2_pruned_onnx: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The pruned SmolLM2 (conftest) with its attention-free run fused in two groups."""
+    from passes.pipeline import fuse_file
+    from passes.plan import Plan
+
+    path = tmp_path_factory.mktemp("smollm2_tp") / "smollm2_fused.onnx"
+    fuse_file(smollm2_pruned_onnx, Plan(groups=((13, 17), (18, 21))), path, validate_output=False)
+    return path
+
+
+def _smollm2_over_gloo(sources: list[Path], tp: int, tmp_path: Path) -> list[float]:
+    """Shard each source at `tp`, run all of them in one torchrun launch, return the relative errors."""
+    from passes.shard.plan import HeadPlan
+
+    ids = np.random.default_rng(tp).integers(0, 49152, (2, 9)).astype(np.int64)
+    np.save(tmp_path / "ids.npy", ids)
+    dirs = [tmp_path / f"{m.stem}_tp{tp}" for m in sources]
+    for model, directory in zip(sources, dirs, strict=True):
+        report = shard_file(model, tp, directory, progress=False)
+        attention = [b for b in report.branches if b.kind == "attention"]
+        assert len(attention) == 20 and all(b.heads == 9 and b.kv_heads == 3 for b in attention)
+        assert {b.heads_per_rank for b in attention} == {HeadPlan(9, 3, tp).heads_per_rank}
+    outs = [d.with_suffix(".npy") for d in dirs]
+    run = _torchrun(tp, dirs, outs, tmp_path / "ids.npy", timeout=900)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    pairs = zip(sources, outs, strict=True)
+    errors = [max_abs_relative_error(np.load(o), single_device(m, ids)) for m, o in pairs]
+    for directory in dirs:
+        shutil.rmtree(directory)  # ~1.3 GB per model at tp=8
+    return errors
+
+
+@pytest.mark.slow
+def test_smollm2_tp8_over_gloo(smollm2_pruned_onnx: Path, smollm2_fused: Path, tmp_path: Path) -> None:
+    """The real SmolLM2 (9 heads, 3 KV heads: padded to 16 heads in 4 KV slots), unfused and fused,
+    8 torchrun processes with gloo all-reduces, equals one device."""
+    errors = _smollm2_over_gloo([smollm2_pruned_onnx, smollm2_fused], 8, tmp_path)
+    assert max(errors) <= TOLERANCE, f"relative errors {errors}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [2, 4])
+def test_smollm2_tp2_tp4_over_gloo(smollm2_fused: Path, tmp_path: Path, tp: int) -> None:
+    """The fused SmolLM2 at tp=2 (KV heads 3 -> 4 slots, 2 per rank) and tp=4 (one slot per rank)."""
+    errors = _smollm2_over_gloo([smollm2_fused], tp, tmp_path)
+    assert max(errors) <= TOLERANCE, f"relative errors {errors}"
+
+
+@pytest.mark.slow
+def test_attention_forms_over_gloo(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Every third-party attention form (tests/shard_forms.py, 9 heads / 3 KV heads) at tp=4 in one
+    torchrun launch: Where masks, packed qkv, opset-23 Attention, TorchScript, ORT's Skip norms."""
+    from tests import shard_forms
+
+    base = tmp_path_factory.getbasetemp()
+    sources = [shard_forms.forms_model(base, name) for name in shard_forms.FORMS]
+    ids = np.random.default_rng(3).integers(0, shard_forms.VOCAB, (2, 7)).astype(np.int64)
+    np.save(tmp_path / "ids.npy", ids)
+    dirs = [tmp_path / m.stem for m in sources]
+    for model, directory in zip(sources, dirs, strict=True):
+        shard_file(model, 4, directory, progress=False)
+    outs = [d.with_suffix(".npy") for d in dirs]
+    run = _torchrun(4, dirs, outs, tmp_path / "ids.npy")
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    for model, out in zip(sources, outs, strict=True):
+        error = max_abs_relative_error(np.load(out), single_device(model, ids))
+        assert error <= TOLERANCE, f"{model.name} tp=4: relative error {error:.2e}"
+
+
+def test_segments_cut_at_every_collective(models: TpModels, tmp_path: Path) -> None:
+    report = shard_file(models.fused, 2, tmp_path / "tp2", progress=False)
+    segments, inputs, outputs = split_rank_graph(report.rank_files[0])
+    assert inputs == ["input_ids"] and outputs == ["logits"]
+    assert len(segments) == count_allreduces(models.fused) + 1 == 10
+    assert [s.collective is not None for s in segments] == [True] * 9 + [False]
+    proto = onnx.load(str(report.rank_files[0]), load_external_data=False)
+    n_nodes = sum(n.op_type != "DistCollective" for n in proto.graph.node)
+    assert sum(len(s.model.graph.node) for s in segments if s.model is not None) == n_nodes
+    for seg in segments[1:]:
+        # every later segment reads the all-reduced stream (the previous collective's output)
+        assert any(name.endswith("_all_reduce") for name in seg.inputs)
+    program = RankProgram(report.rank_files[1])
+    assert len(program.collectives) == 9
+
+
+def test_runs_polygraphy_rank_graphs(models: TpModels, tmp_path: Path) -> None:
+    """Polygraphy appends its DistCollective nodes after all others (not topologically sorted) and
+    only shards the FFNs of this model; the runtime sorts the nodes and still matches one device."""
+    prefix = tmp_path / "poly" / "m49.onnx"
+    prefix.parent.mkdir()
+    polygraphy = str(Path(sys.executable).with_name("polygraphy"))
+    command = [
+        polygraphy,
+        "multi-device",
+        "shard",
+        str(models.unfused),
+        "--one-shot",
+        "--parallelism",
+        "TP",
+        "--nb-rank",
+        "2",
+        "-o",
+        str(prefix),
+    ]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    files = [prefix.with_name(f"m49_tp2_rank{r}.onnx") for r in range(2)]
+    assert count_allreduces(files[0]) == 9  # FFNs only; its TP needs an AttentionPlugin for attention
+    ids = tokens()
+    error = max_abs_relative_error(run_simulated(files, ids), single_device(models.unfused, ids))
+    assert error <= TOLERANCE
+
+
+@pytest.mark.slow
+def test_rank_graphs_build_with_tensorrt_rtx(models: TpModels, tmp_path: Path) -> None:
+    """Each rank's FP8 graph (strongly typed Q/DQ + DistCollective) parses and builds for sm89."""
+    pytest.importorskip("tensorrt_rtx")
+    from runtime.tp.trt import build_rank_engines
+
+    shard_file(models.fused_fp8, 2, tmp_path / "tp2", progress=False)
+    builds = build_rank_engines(tmp_path / "tp2", batch=(1, 1, 2), seq=(1, 16, 64))
+    assert [b.rank for b in builds] == [0, 1]
+    for b in builds:
+        assert b.collective_layers == 9
+        assert b.engine.is_file() and b.plan_bytes > 100_000
