@@ -301,9 +301,9 @@ def export_smollm2_decode(
     path: str | os.PathLike, drop_attention: Iterable[int] = PRUNED_BLOCKS, **kwargs
 ) -> DecodeExport:
     """The decode graph of SmolLM2-135M-Instruct with attention removed from `drop_attention` (13-22)."""
-    from exporters import smollm2
+    from exporters import smollm2  # imports transformers: only for the SmolLM2 export
 
-    model = smollm2.remove_attention(smollm2.load_model(), drop_attention)
+    model = smollm2.remove_attention(smollm2.load_torch_model(), drop_attention)
     return export_decode(decode_model_from(model), path, **kwargs)
 
 
@@ -321,9 +321,9 @@ def engine_profile(
 ) -> dict[str, tuple[tuple[int, ...], ...]]:
     """min/opt/max shapes of every input of a decode graph; past_len runs from 0 (prefill) to max_total - 1.
 
-    The general mechanism: exporters.tensorrt.engine.DimRanges.decode over the inputs' named dims.
+    The general mechanism: exporters.tensorrt.build.DimRanges.decode over the inputs' named dims.
     """
-    from exporters.tensorrt.engine import DimRanges, input_profiles
+    from exporters.tensorrt.build import DimRanges, input_profiles
 
     ranges = DimRanges.decode(max_batch, max_total, opt_total)
     return {name: (p.min, p.opt, p.max) for name, p in input_profiles(onnx_path, ranges).items()}
@@ -342,9 +342,9 @@ def build_decode_engine(
 
     TensorRT-RTX builds ahead of time (sm89 by default) on a machine without a GPU; datacenter TensorRT
     builds for the GPU it runs on. Run the engine with runtime.backends.TrtBackend. Same as
-    exporters.tensorrt.engine.build_engine(profile=DimRanges.decode(...)), which also writes the sidecar.
+    exporters.tensorrt.build.build_engine(profile=DimRanges.decode(...)), which also writes the sidecar.
     """
-    from exporters.tensorrt.engine import DimRanges, build_engine
+    from exporters.tensorrt.build import DimRanges, build_engine
 
     built = build_engine(
         onnx_path,

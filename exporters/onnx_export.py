@@ -158,10 +158,10 @@ def export_smollm2(path: str | os.PathLike, drop_attention: Iterable[int] = PRUN
 
     The default, blocks 13-22, is the project's standard pruned variant; pass () for the unchanged model.
     """
-    from exporters import smollm2
+    from exporters import smollm2  # imports transformers: only for the SmolLM2 export
 
     drop_attention = smollm2.check_blocks(drop_attention)  # before the slow load
-    model = smollm2.remove_attention(smollm2.load_model(), drop_attention)
+    model = smollm2.remove_attention(smollm2.load_torch_model(), drop_attention)
     result = export_onnx(model, path, opset=opset, external_data_threshold=external_data_threshold)
     result.attention = smollm2.attention_flags(model)
     return result

@@ -49,7 +49,7 @@ def _load_cached() -> torch.nn.Module:
     return model.eval()
 
 
-def load_model() -> torch.nn.Module:
+def load_torch_model() -> torch.nn.Module:
     """A fresh copy of SmolLM2 LlamaForCausalLM (float32, eval mode), safe to modify."""
     return copy.deepcopy(_load_cached())
 
@@ -110,4 +110,4 @@ def remove_attention(model: torch.nn.Module, blocks: Iterable[int]) -> torch.nn.
 
 def load_pruned(blocks: Iterable[int] = PRUNED_BLOCKS) -> torch.nn.Module:
     """SmolLM2 with attention removed from `blocks`."""
-    return remove_attention(load_model(), blocks)
+    return remove_attention(load_torch_model(), blocks)

@@ -204,3 +204,12 @@ def super49b_spec(hidden: int = 64, heads: int = 8, kv_heads: int = 1, vocab: in
     blocks = [BlockSpec(attention=a, ffn_width=ffn_width(m, hidden, granularity))
               for a, m in super49b_pattern()]
     return ModelSpec(hidden=hidden, heads=heads, kv_heads=kv_heads, vocab=vocab, blocks=blocks, **kwargs)
+
+
+def requested_spec(path: str | os.PathLike | None = None, *, hidden: int = 64, heads: int = 8,
+                   kv_heads: int = 1, vocab: int = 256) -> ModelSpec:
+    """The spec in the JSON file at `path`, or without one Puzzle-49B's pattern at this size (the two spec
+    sources of tools/export_model.py, --spec and --super49b)."""
+    if path:
+        return load_spec(path)
+    return super49b_spec(hidden=hidden, heads=heads, kv_heads=kv_heads, vocab=vocab)

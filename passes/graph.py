@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 import onnx_ir as ir
 
@@ -81,3 +83,10 @@ def is_last_axis(axes: list[int] | None, value: ir.Value) -> bool:
         return False
     rank = value.shape.rank() if value.shape is not None else None
     return axes[0] == -1 or (rank is not None and axes[0] == rank - 1)
+
+
+def graph_values(graph: ir.Graph) -> Iterable[ir.Value]:
+    """The graph's inputs and every node's outputs."""
+    yield from graph.inputs
+    for node in graph:
+        yield from node.outputs

@@ -3,6 +3,8 @@
 Every tensor gets a shape whose dims are `Dim` monomials (an integer times named symbols such as
 "batch" and "seq"), and small integer tensors (shape vectors) also get their values, so that the shape
 arguments of Reshape/Expand can be followed from `Shape(input_ids)` through Concat/Slice/Gather.
+Each op's rule is one small function in `RULES`, keyed by (domain, op type); an op without a rule gets
+unknown outputs (or the exporter's annotation, in `World`).
 
 `World` runs it over a graph as the single-device model computes it; passes.shard.dims runs it again as
 one tensor-parallel rank sees it.
@@ -12,8 +14,9 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import reduce
 
 import numpy as np
 import onnx_ir as ir
@@ -232,13 +235,14 @@ def _slice_len(dim: MaybeDim, start: int, end: int, step: int) -> MaybeDim:
     return None
 
 
+# ------------------------------------------------------------------------------------------ op families
+
 ELEMENTWISE = {
     "Add",
     "Sub",
     "Mul",
     "Div",
     "Pow",
-    "Where",
     "Equal",
     "Less",
     "LessOrEqual",
@@ -268,9 +272,6 @@ SAME_SHAPE = {
     "Not",
     "IsNaN",
     "IsInf",
-    "Cast",
-    "CastLike",
-    "Identity",
     "Softmax",
     "LogSoftmax",
     "Gelu",
@@ -294,9 +295,13 @@ SAME_SHAPE = {
     "LayerNormalization",
     "RMSNormalization",
     "SimplifiedLayerNormalization",
-    "RotaryEmbedding",
 }
+KEEPS_VALUE = {"Cast", "CastLike", "Identity"}  # same shape, and a shape vector keeps its elements
 REDUCE = {"ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL2", "ReduceSumSquare"}
+ATTENTION_OPS = ("Attention", "GroupQueryAttention", "MultiHeadAttention")
+
+
+# ------------------------------------------------------------------------------------------ shape vectors
 
 
 def _filled(node: ir.Node, shape: Dims | None) -> Dims | None:
@@ -358,138 +363,249 @@ def _elementwise_value(op: str, a: Dims | None, b: Dims | None) -> Dims | None:
     return tuple(out)
 
 
-def infer_node(node: ir.Node, ins: Sequence[Info]) -> list[Info] | None:
-    """Output infos of `node` from its input infos, or None for an op the interpreter does not know."""
-    op = node.op_type if node.domain in ("", "ai.onnx") or node.op_type == "RotaryEmbedding" else None
-    x = ins[0] if ins else UNKNOWN
-    if op == "Shape":
-        if x.shape is None:
-            return [UNKNOWN]
-        n = len(x.shape)
-        start, end = node_attr(node, "start", 0), node_attr(node, "end", n)
-        picked = x.shape[slice(start, end)]
-        return [Info((Dim(len(picked)),), tuple(picked))]
-    if op == "Size":
-        return [Info((), (product(x.shape) if x.shape is not None else None,))]
-    if op == "Constant":
-        attr = node.attributes.get("value")
-        if attr is not None and attr.type == ir.AttributeType.TENSOR:
-            return [info_from_tensor(attr.value)]
-        return None
-    if op in SAME_SHAPE:
-        value = x.value if op in ("Cast", "Identity", "CastLike") else None
-        return [Info(x.shape, value)] + [UNKNOWN] * (len(node.outputs) - 1)
-    if op in ELEMENTWISE:
-        shapes = [i.shape for i in ins]
-        out = shapes[0]
-        for s in shapes[1:]:
-            out = broadcast(out, s)
-        value = _elementwise_value(op, ins[0].value, ins[1].value) if len(ins) == 2 else None
-        if op == "Where" and len(ins) == 3:  # TorchScript's expand: Where(Equal(shape, -1), 1, shape)
-            value = _where_value(ins[0].value, ins[1].value, ins[2].value)
-        return [Info(out, value)]
-    if op == "Squeeze":
-        axes = axes_from(node, ins, 1)
-        if x.shape is None:
-            return [Info(None, x.value)]
-        n = len(x.shape)
-        if axes is None:
-            if len(node.inputs) > 1 and node.inputs[1] is not None:
-                return [Info(None, x.value)]
-            shape = tuple(d for d in x.shape if d != ONE)
-        else:
-            axes = [a % n for a in axes]
-            shape = tuple(d for k, d in enumerate(x.shape) if k not in axes)
-        return [Info(shape, x.value)]
-    if op == "Unsqueeze":
-        axes = axes_from(node, ins, 1)
-        if x.shape is None or axes is None:
-            return [Info(None, x.value)]
-        n = len(x.shape) + len(axes)
-        axes = sorted(a % n for a in axes)
-        dims = list(x.shape)
-        for a in axes:
-            dims.insert(a, ONE)
-        return [Info(tuple(dims), x.value)]
-    if op == "Concat":
-        shapes = [i.shape for i in ins]
-        if any(s is None for s in shapes):
-            return [Info(None)]
-        axis = node_attr(node, "axis", 0) % len(shapes[0])
-        dims = list(shapes[0])
-        sizes = [s[axis] for s in shapes]
-        if all(d is not None and d.is_int for d in sizes):
-            dims[axis] = Dim(sum(int(d) for d in sizes))
-        else:
-            dims[axis] = None
-        value = None
-        if all(i.value is not None for i in ins) and len(shapes[0]) <= 1:
-            value = tuple(v for i in ins for v in i.value)  # type: ignore[union-attr]
-        return [Info(tuple(dims), value)]
-    if op == "Gather":
-        idx = ins[1]
-        axis = node_attr(node, "axis", 0)
-        shape = None
-        if x.shape is not None and idx.shape is not None:
-            axis %= len(x.shape)
-            shape = tuple(x.shape[:axis]) + tuple(idx.shape) + tuple(x.shape[axis + 1 :])
-        value = None
-        indices = int_values(idx)
-        if x.value is not None and indices is not None and x.shape is not None and len(x.shape) == 1:
-            n = len(x.value)
-            value = tuple(x.value[i % n] for i in indices)
-        return [Info(shape, value)]
-    if op == "Slice":
-        return [_slice(x, ins)]
-    if op == "Transpose":
-        if x.shape is None:
-            return [UNKNOWN]
-        perm = node_attr(node, "perm", None) or list(range(len(x.shape)))[::-1]
-        return [Info(tuple(x.shape[p] for p in perm))]
-    if op == "Reshape":
-        shape = reshape_dims(x.shape, ins[1].value, bool(node_attr(node, "allowzero", 0)))
-        return [Info(shape, x.value)]  # a reshaped shape vector keeps its elements (TorchScript)
-    if op == "Expand":
-        target = ins[1].value
-        if target is None or x.shape is None:
-            return [UNKNOWN]
-        return [Info(broadcast(x.shape, target))]
-    if op in ("MatMul", "Gemm"):
-        return [Info(_matmul(node, ins[0].shape, ins[1].shape))]
-    if op in REDUCE:
-        axes = axes_from(node, ins, 1)
-        if x.shape is None or axes is None:
-            return [UNKNOWN]
-        keep = bool(node_attr(node, "keepdims", 1))
-        axes = [a % len(x.shape) for a in axes] or list(range(len(x.shape)))
-        shape = tuple(ONE if k in axes else d for k, d in enumerate(x.shape) if keep or k not in axes)
-        return [Info(shape)]
-    if op == "ConstantOfShape":
-        return [Info(x.value, _filled(node, x.value))]
-    if op == "Range":
-        return [Info((None,))]
-    if op == "Split":
-        return _split(node, x, ins)
-    if op == "Tile":  # TorchScript's repeat_interleave
-        repeats = ins[1].value if len(ins) > 1 else None
-        if x.shape is None or repeats is None or len(repeats) != len(x.shape):
-            return [UNKNOWN]
-        return [
-            Info(
-                tuple(
-                    None if d is None or r is None else d * r for d, r in zip(x.shape, repeats, strict=False)
-                )
-            )
-        ]
-    if node.op_type == "MatMulNBits" and node.domain == "com.microsoft":  # y = x @ W[K, N]
-        n = int(node_attr(node, "N", 0))
-        return [Info(x.shape[:-1] + (Dim(n),) if x.shape is not None and n > 0 else None)]
-    if node.op_type in ATTENTION_OPS and node.domain in ("", "ai.onnx", "com.microsoft"):
-        return attention_op(node, ins)
+# ------------------------------------------------------------------------------------------ rules
+# A rule maps a node, its first input's info (UNKNOWN when it has none) and all its input infos to its
+# output infos, or to None when it cannot follow the node.
+
+Rule = Callable[[ir.Node, Info, Sequence[Info]], list[Info] | None]
+
+
+def _shape(node: ir.Node, x: Info, ins: Sequence[Info]) -> list[Info]:
+    if x.shape is None:
+        return [UNKNOWN]
+    n = len(x.shape)
+    start, end = node_attr(node, "start", 0), node_attr(node, "end", n)
+    picked = x.shape[slice(start, end)]
+    return [Info((Dim(len(picked)),), tuple(picked))]
+
+
+def _size(node: ir.Node, x: Info, ins: Sequence[Info]) -> list[Info]:
+    return [Info((), (product(x.shape) if x.shape is not None else None,))]
+
+
+def _constant(node: ir.Node, x: Info, ins: Sequence[Info]) -> list[Info] | None:
+    attr = node.attributes.get("value")
+    if attr is not None and attr.type == ir.AttributeType.TENSOR:
+        return [info_from_tensor(attr.value)]
     return None
 
 
-ATTENTION_OPS = ("Attention", "GroupQueryAttention", "MultiHeadAttention")
+def _same_shape(node: ir.Node, x: Info, ins: Sequence[Info]) -> list[Info]:
+    """The first output has the input's shape; further outputs (Dropout's mask) stay unknown."""
+    return [Info(x.shape), *[UNKNOWN] * (len(node.outputs) - 1)]
+
+
+def _keeps_value(node: ir.Node, x: Info, ins: Sequence[Info]) -> list[Info]:
+    return [Info(x.shape, x.value), *[UNKNOWN] * (len(node.outputs) - 1)]
+
+
+def _elementwise(node: ir.Node, x: Info, ins: Sequence[Info]) -> list[Info]:
+    shape = reduce(broadcast, [i.shape for i in ins])
+    value = _elementwise_value(node.op_type, ins[0].value, ins[1].value) if len(ins) == 2 else None
+    return [Info(shape, value)]
+
+
+def _where(node: ir.Node, x: Info, ins: Sequence[Info]) -> list[Info]:
+    """Followed for TorchScript's expand: Where(Equal(shape, -1), 1, shape)."""
+    shape = reduce(broadcast, [i.shape for i in ins])
+    value = _where_value(ins[0].value, ins[1].value, ins[2].value) if len(ins) == 3 else None
+    return [Info(shape, value)]
+
+
+def _squeeze(node: ir.Node, x: Info, ins: Sequence[Info]) -> list[Info]:
+    axes = axes_from(node, ins, 1)
+    if x.shape is None:
+        return [Info(None, x.value)]
+    n = len(x.shape)
+    if axes is None:
+        if len(node.inputs) > 1 and node.inputs[1] is not None:
+            return [Info(None, x.value)]
+        shape = tuple(d for d in x.shape if d != ONE)
+    else:
+        axes = [a % n for a in axes]
+        shape = tuple(d for k, d in enumerate(x.shape) if k not in axes)
+    return [Info(shape, x.value)]
+
+
+def _unsqueeze(node: ir.Node, x: Info, ins: Sequence[Info]) -> list[Info]:
+    axes = axes_from(node, ins, 1)
+    if x.shape is None or axes is None:
+        return [Info(None, x.value)]
+    n = len(x.shape) + len(axes)
+    dims = list(x.shape)
+    for a in sorted(a % n for a in axes):
+        dims.insert(a, ONE)
+    return [Info(tuple(dims), x.value)]
+
+
+def _concat(node: ir.Node, x: Info, ins: Sequence[Info]) -> list[Info]:
+    shapes = [i.shape for i in ins]
+    if any(s is None for s in shapes):
+        return [Info(None)]
+    axis = node_attr(node, "axis", 0) % len(shapes[0])
+    dims = list(shapes[0])
+    sizes = [s[axis] for s in shapes]
+    dims[axis] = Dim(sum(int(d) for d in sizes)) if all(d is not None and d.is_int for d in sizes) else None
+    value = None
+    if all(i.value is not None for i in ins) and len(shapes[0]) <= 1:
+        value = tuple(v for i in ins for v in i.value)  # type: ignore[union-attr]
+    return [Info(tuple(dims), value)]
+
+
+def _gather(node: ir.Node, x: Info, ins: Sequence[Info]) -> list[Info]:
+    idx = ins[1]
+    axis = node_attr(node, "axis", 0)
+    shape = None
+    if x.shape is not None and idx.shape is not None:
+        axis %= len(x.shape)
+        shape = tuple(x.shape[:axis]) + tuple(idx.shape) + tuple(x.shape[axis + 1 :])
+    value = None
+    indices = int_values(idx)
+    if x.value is not None and indices is not None and x.shape is not None and len(x.shape) == 1:
+        n = len(x.value)
+        value = tuple(x.value[i % n] for i in indices)
+    return [Info(shape, value)]
+
+
+def _slice(node: ir.Node, x: Info, ins: Sequence[Info]) -> list[Info]:
+    starts, ends = int_values(ins[1]), int_values(ins[2])
+    axes = int_values(ins[3]) if len(ins) > 3 and ins[3].shape is not None else None
+    steps = int_values(ins[4]) if len(ins) > 4 and ins[4].shape is not None else None
+    if x.shape is None or starts is None or ends is None:
+        return [UNKNOWN]
+    n = len(x.shape)
+    axes = axes if axes is not None else list(range(len(starts)))
+    steps = steps if steps is not None else [1] * len(starts)
+    dims = list(x.shape)
+    for a, s, e, st in zip(axes, starts, ends, steps, strict=True):
+        dims[a % n] = _slice_len(dims[a % n], s, e, st)
+    value = None
+    if x.value is not None and n == 1 and len(starts) == 1:
+        value = tuple(x.value[slice(starts[0], None if ends[0] >= INT_MAX else ends[0], steps[0])])
+    return [Info(tuple(dims), value)]
+
+
+def _transpose(node: ir.Node, x: Info, ins: Sequence[Info]) -> list[Info]:
+    if x.shape is None:
+        return [UNKNOWN]
+    perm = node_attr(node, "perm", None) or list(range(len(x.shape)))[::-1]
+    return [Info(tuple(x.shape[p] for p in perm))]
+
+
+def _reshape(node: ir.Node, x: Info, ins: Sequence[Info]) -> list[Info]:
+    shape = reshape_dims(x.shape, ins[1].value, bool(node_attr(node, "allowzero", 0)))
+    return [Info(shape, x.value)]  # a reshaped shape vector keeps its elements (TorchScript)
+
+
+def _expand(node: ir.Node, x: Info, ins: Sequence[Info]) -> list[Info]:
+    target = ins[1].value
+    if target is None or x.shape is None:
+        return [UNKNOWN]
+    return [Info(broadcast(x.shape, target))]
+
+
+def _matmul(node: ir.Node, x: Info, ins: Sequence[Info]) -> list[Info]:
+    a, b = ins[0].shape, ins[1].shape
+    if a is None or b is None:
+        return [UNKNOWN]
+    if node.op_type == "Gemm":
+        m = a[1] if node_attr(node, "transA", 0) else a[0]
+        n = b[0] if node_attr(node, "transB", 0) else b[1]
+        return [Info((m, n))]
+    if len(a) == 1 or len(b) == 1:
+        return [UNKNOWN]
+    batch = broadcast(a[:-2], b[:-2])
+    return [Info(None if batch is None else tuple(batch) + (a[-2], b[-1]))]
+
+
+def _reduce(node: ir.Node, x: Info, ins: Sequence[Info]) -> list[Info]:
+    axes = axes_from(node, ins, 1)
+    if x.shape is None or axes is None:
+        return [UNKNOWN]
+    keep = bool(node_attr(node, "keepdims", 1))
+    axes = [a % len(x.shape) for a in axes] or list(range(len(x.shape)))
+    return [Info(tuple(ONE if k in axes else d for k, d in enumerate(x.shape) if keep or k not in axes))]
+
+
+def _constant_of_shape(node: ir.Node, x: Info, ins: Sequence[Info]) -> list[Info]:
+    return [Info(x.value, _filled(node, x.value))]
+
+
+def _range(node: ir.Node, x: Info, ins: Sequence[Info]) -> list[Info]:
+    return [Info((None,))]  # one axis of a length the interpreter does not follow
+
+
+def _split(node: ir.Node, x: Info, ins: Sequence[Info]) -> list[Info]:
+    count = len(node.outputs)
+    if x.shape is None:
+        return [UNKNOWN] * count
+    axis = node_attr(node, "axis", 0) % len(x.shape)
+    sizes = int_values(ins[1]) if len(ins) > 1 and node.inputs[1] is not None else None
+    if sizes is None:
+        dim = x.shape[axis]
+        if dim is None or not dim.is_int or int(dim) % count:
+            return [UNKNOWN] * count
+        sizes = [int(dim) // count] * count
+    return [Info(x.shape[:axis] + (Dim(s),) + x.shape[axis + 1 :]) for s in sizes]
+
+
+def _tile(node: ir.Node, x: Info, ins: Sequence[Info]) -> list[Info]:
+    """Followed for TorchScript's repeat_interleave."""
+    repeats = ins[1].value if len(ins) > 1 else None
+    if x.shape is None or repeats is None or len(repeats) != len(x.shape):
+        return [UNKNOWN]
+    dims = zip(x.shape, repeats, strict=True)
+    return [Info(tuple(None if d is None or r is None else d * r for d, r in dims))]
+
+
+def _matmul_nbits(node: ir.Node, x: Info, ins: Sequence[Info]) -> list[Info]:
+    """y = x @ W[K, N]."""
+    n = int(node_attr(node, "N", 0))
+    return [Info(x.shape[:-1] + (Dim(n),) if x.shape is not None and n > 0 else None)]
+
+
+def _attention(node: ir.Node, x: Info, ins: Sequence[Info]) -> list[Info]:
+    return attention_op(node, ins)
+
+
+ONNX, MICROSOFT = "", "com.microsoft"
+ANY_DOMAIN = "*"
+
+# The rules, keyed by (domain, op type); "ai.onnx" is looked up as "".
+RULES: dict[tuple[str, str], Rule] = {
+    (ONNX, "Shape"): _shape,
+    (ONNX, "Size"): _size,
+    (ONNX, "Constant"): _constant,
+    **{(ONNX, op): _same_shape for op in SAME_SHAPE},
+    **{(ONNX, op): _keeps_value for op in KEEPS_VALUE},
+    **{(ONNX, op): _elementwise for op in ELEMENTWISE},
+    (ONNX, "Where"): _where,
+    (ONNX, "Squeeze"): _squeeze,
+    (ONNX, "Unsqueeze"): _unsqueeze,
+    (ONNX, "Concat"): _concat,
+    (ONNX, "Gather"): _gather,
+    (ONNX, "Slice"): _slice,
+    (ONNX, "Transpose"): _transpose,
+    (ONNX, "Reshape"): _reshape,
+    (ONNX, "Expand"): _expand,
+    (ONNX, "MatMul"): _matmul,
+    (ONNX, "Gemm"): _matmul,
+    **{(ONNX, op): _reduce for op in REDUCE},
+    (ONNX, "ConstantOfShape"): _constant_of_shape,
+    (ONNX, "Range"): _range,
+    (ONNX, "Split"): _split,
+    (ONNX, "Tile"): _tile,
+    (MICROSOFT, "MatMulNBits"): _matmul_nbits,
+    **{(domain, op): _attention for op in ATTENTION_OPS for domain in (ONNX, MICROSOFT)},
+    (ANY_DOMAIN, "RotaryEmbedding"): _same_shape,  # the opset-23 op, ONNX Runtime's and other rewriters'
+}
+
+
+def infer_node(node: ir.Node, ins: Sequence[Info]) -> list[Info] | None:
+    """Output infos of `node` from its input infos, or None for an op the interpreter does not know."""
+    domain = ONNX if node.domain == "ai.onnx" else node.domain
+    rule = RULES.get((domain, node.op_type)) or RULES.get((ANY_DOMAIN, node.op_type))
+    return None if rule is None else rule(node, ins[0] if ins else UNKNOWN, ins)
 
 
 def attention_op(node: ir.Node, ins: Sequence[Info], heads: int = 0, kv_heads: int = 0) -> list[Info]:
@@ -519,51 +635,6 @@ def attention_op(node: ir.Node, ins: Sequence[Info], heads: int = 0, kv_heads: i
         return unknown
     present = Info((q[0], Dim(kv_heads), None, hd))
     return [Info(y), *[present] * (len(node.outputs) - 1)][: len(node.outputs)]
-
-
-def _slice(x: Info, ins: Sequence[Info]) -> Info:
-    starts, ends = int_values(ins[1]), int_values(ins[2])
-    axes = int_values(ins[3]) if len(ins) > 3 and ins[3].shape is not None else None
-    steps = int_values(ins[4]) if len(ins) > 4 and ins[4].shape is not None else None
-    if x.shape is None or starts is None or ends is None:
-        return UNKNOWN
-    n = len(x.shape)
-    axes = axes if axes is not None else list(range(len(starts)))
-    steps = steps if steps is not None else [1] * len(starts)
-    dims = list(x.shape)
-    for a, s, e, st in zip(axes, starts, ends, steps, strict=True):
-        dims[a % n] = _slice_len(dims[a % n], s, e, st)
-    value = None
-    if x.value is not None and n == 1 and len(starts) == 1:
-        value = tuple(x.value[slice(starts[0], None if ends[0] >= INT_MAX else ends[0], steps[0])])
-    return Info(tuple(dims), value)
-
-
-def _split(node: ir.Node, x: Info, ins: Sequence[Info]) -> list[Info]:
-    count = len(node.outputs)
-    if x.shape is None:
-        return [UNKNOWN] * count
-    axis = node_attr(node, "axis", 0) % len(x.shape)
-    sizes = int_values(ins[1]) if len(ins) > 1 and node.inputs[1] is not None else None
-    if sizes is None:
-        dim = x.shape[axis]
-        if dim is None or not dim.is_int or int(dim) % count:
-            return [UNKNOWN] * count
-        sizes = [int(dim) // count] * count
-    return [Info(x.shape[:axis] + (Dim(s),) + x.shape[axis + 1 :]) for s in sizes]
-
-
-def _matmul(node: ir.Node, a: Dims | None, b: Dims | None) -> Dims | None:
-    if a is None or b is None:
-        return None
-    if node.op_type == "Gemm":
-        m = a[1] if node_attr(node, "transA", 0) else a[0]
-        n = b[0] if node_attr(node, "transB", 0) else b[1]
-        return (m, n)
-    if len(a) == 1 or len(b) == 1:
-        return None
-    batch = broadcast(a[:-2], b[:-2])
-    return None if batch is None else tuple(batch) + (a[-2], b[-1])
 
 
 def contraction_dims(node: ir.Node, a: Dims | None, b: Dims | None) -> tuple[MaybeDim, MaybeDim]:

@@ -21,7 +21,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from passes.analysis.dependency import split_skip_norms, stream_names
+from passes.analysis.cut import split_skip_norms, stream_names
 from passes.blocks import Block
 from passes.errors import UserError
 from passes.fuse import PLAN_METADATA_KEY
@@ -122,9 +122,8 @@ def validate(
         if (width := fused_blocks[k].width) != sum(b.width for b in group):
             raise ValidationError(f"fused block for group [{first}, {last}] has width {width}")
     proto = load_proto(fused)
-    # Each block's output stream, as the block-by-block runner cuts them (passes/analysis/dependency.py): a
-    # last block
-    # whose sum the final Skip*Normalization keeps internal (output 3 unnamed) gets it named in `proto`.
+    # Each block's output stream, as the block-by-block runner cuts them (passes/analysis/cut.py): a last
+    # block whose sum the final Skip*Normalization keeps internal (output 3 unnamed) gets it named in `proto`.
     ends = [end for _, end in stream_names(proto, fused_blocks)]
     checks = [(g, group, fused_blocks[k], ends[k]) for g, group, k in pairs]
     if weight_bytes(fused_model) > WHOLE_MODEL_LIMIT:

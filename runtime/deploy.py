@@ -3,7 +3,7 @@
 `build_engines(request)` takes one model (optionally sharded into `tp` rank graphs after quantization:
 calibration needs the whole model) or several per-rank files / a sharded folder, and writes into
 `request.out`: `<name>_fp8.onnx` (+ data) and `<name>_fp8_scales.json` when FP8, then `<name>.engine`
-with its JSON sidecar for each graph (exporters.tensorrt.engine).
+with its JSON sidecar for each graph (exporters.tensorrt.build).
 """
 
 from __future__ import annotations
@@ -16,12 +16,13 @@ from pathlib import Path
 
 import numpy as np
 
-from exporters.tensorrt import engine as tensorrt_engine
 from exporters.tensorrt import shim as trt_shim
-from exporters.tensorrt.engine import EngineBuild, Profile
+from exporters.tensorrt.build import EngineBuild, Profile, build_engine, parse_onnx
+from exporters.tensorrt.check import check_engine
 from passes.errors import UserError
 from passes.graph_inputs import Signature
 from passes.io.model_io import load_model, save_model
+from passes.model_map import find_blocks, vocab_size
 from passes.quant.fp8 import ActivationScales, calibrate, quantize_fp8, tokens_sha256
 from passes.shard import rank_onnx_files, shard_model
 from runtime import text_sets as text
@@ -86,7 +87,7 @@ def build_one(request: EngineRequest, model: Path, log: Callable[[str], None]) -
     engine = request.out / f"{artifact_stem(model)}.engine"
     log(f"building {engine.name} from {model.name} (profile {profile.min}/{profile.opt}/{profile.max})")
     start = time.perf_counter()
-    built = tensorrt_engine.build_engine(
+    built = build_engine(
         model,
         engine,
         profile=profile,
@@ -106,7 +107,7 @@ def build_one(request: EngineRequest, model: Path, log: Callable[[str], None]) -
 
 def check(request: EngineRequest, engine: Path, model: Path, log: Callable[[str], None]) -> None:
     profile = request.profile
-    result = tensorrt_engine.check_engine(
+    result = check_engine(
         engine,
         model,
         [profile.min, profile.opt, profile.max],
@@ -140,7 +141,7 @@ def check_fp8_source(trt: trt_shim.Trt, model: Path, log: Callable[[str], None])
     log(f"checking that TensorRT parses {model.name}")
     logger = trt.logger(False)
     try:
-        tensorrt_engine.parse_onnx(trt, trt.module.Builder(logger.handle), model, logger)
+        parse_onnx(trt, trt.module.Builder(logger.handle), model, logger)
     except UserError as exc:  # TensorRT's messages span lines: one line for the user
         raise UserError(" ".join(str(exc).split())) from None
 
@@ -179,7 +180,6 @@ def artifact_stem(path: Path) -> str:
 
 def model_vocab(model_path: Path) -> int:
     """The vocabulary: rows of the token embedding, else the last dim of the first output (rank graphs)."""
-    from passes.model_map import find_blocks, vocab_size
 
     model = load_model(model_path)
     try:
@@ -239,7 +239,7 @@ def _tokenize(joined: str, tokenizer: str, vocab: int, log: Callable[[str], None
     if tokenizer == "auto":
         tokenizer = "smollm2" if vocab == text.SMOLLM2_VOCAB and _smollm2_available() else "bytes"
     if tokenizer == "smollm2":
-        from exporters.smollm2 import load_tokenizer
+        from exporters.smollm2 import load_tokenizer  # imports transformers: only for SmolLM2 text
 
         log("tokenizing calibration text with the SmolLM2 tokenizer")
         return np.minimum(text.tokenize(joined, load_tokenizer()), vocab - 1)
@@ -250,7 +250,7 @@ def _tokenize(joined: str, tokenizer: str, vocab: int, log: Callable[[str], None
 
 def _smollm2_available() -> bool:
     try:
-        from exporters.smollm2 import gguf_folder
+        from exporters.smollm2 import gguf_folder  # torch and transformers may be missing: then bytes
 
         gguf_folder()
     except (ImportError, UserError):

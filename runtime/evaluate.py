@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from passes.analysis.dependency import session
+from passes.analysis.runner import session
 from passes.errors import UserError
 from passes.graph_inputs import Signature
 from passes.io.model_io import load_proto

@@ -1,8 +1,8 @@
 """Models and helpers for the FP8 / TensorRT tests (imported by tests/passes/quant/test_fp8.py,
-tests/exporters/tensorrt/test_engine.py and tests/tools/test_build_engines.py).
+tests/passes/patterns/test_linear.py, tests/exporters/tensorrt/ and tests/tools/test_build_engines.py).
 
 MODELS maps a kind to a builder `(folder) -> model.onnx`. Exports happen once per pytest process
-(cached here), so the three test files share them. To test the fused SmolLM2 later, register a builder:
+(cached here), so these test files share them. To test the fused SmolLM2 later, register a builder:
 
     MODELS["fused_smollm2"] = lambda folder: ...  # e.g. exporters.llama / passes.fuse output
     and add the kind to a test's `MODEL_KINDS` list (thresholds per kind live in FP8_BOUNDS).

@@ -19,6 +19,17 @@ CONTEXT = 128
 CHAT_TEMPLATE = (
     "{% for m in messages %}<bos> {{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w5{% endif %}"
 )
+# prompts of different lengths (token ids of the tiny model; 0-3 are special)
+PROMPTS = [
+    [17, 41, 8, 60, 22, 9],
+    [90, 5, 33],
+    [12, 13],
+    [44, 45, 46, 47, 48, 49, 50, 51],
+    [70],
+    [8, 8, 8, 8],
+    [30, 31, 32, 33, 34],
+    [66, 77, 88],
+]
 
 
 def words(ids: list[int]) -> str:

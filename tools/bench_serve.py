@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 
 from passes.errors import UserError, run_cli
+from runtime.bench import serve as bench
+from runtime.bench.serve import Target
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -34,8 +36,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def check(args: argparse.Namespace) -> list:
-    from runtime.bench.serve import Target
-
     if len(args.urls) > 2:
         raise UserError("give one or two server URLs (original, then fused)")
     labels = args.labels or ["original", "fused"][: len(args.urls)]
@@ -63,7 +63,6 @@ def check(args: argparse.Namespace) -> list:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     targets = check(args)
-    from runtime.bench import serve as bench
 
     data = bench.run(
         targets,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from exporters.tensorrt.engine import Profile
+from exporters.tensorrt.build import Profile
 from passes.errors import run_cli
 from runtime.deploy import TOKENIZERS, Calibration, EngineRequest, build_engines
 

@@ -15,6 +15,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from exporters import spec
+from exporters.hf import checkpoint as hf_checkpoint
+from exporters.spec import ModelSpec
 from passes.errors import UserError, run_cli
 
 SPEC_HELP = """\
@@ -95,23 +98,50 @@ def main(argv: list[str] | None = None) -> int:
     _check_options(args)
     if args.hf:
         return export_hf_folder(args)
-    from exporters import decode, onnx_export, spec
-
-    if args.decode:
-        return export_decode_graph(args, decode, spec)
-    notice = f"exporting to {args.output} (from seconds to a few minutes) ..."
+    blocks: list[int] = []  # SmolLM2's blocks without attention
+    model_spec: ModelSpec | None = None  # --spec or --super49b
     if args.smollm2:
-        from exporters import smollm2
+        from exporters import smollm2  # deferred: imports torch and transformers
 
         blocks = smollm2.check_blocks(parse_blocks(args.drop_attention))
-        print(notice, file=sys.stderr)
+    else:
+        model_spec = spec.requested_spec(args.spec, hidden=args.hidden, heads=args.heads,
+                                         kv_heads=args.kv_heads, vocab=args.vocab)
+    if args.decode:
+        return export_decode_graph(args, blocks, model_spec)
+    return export_graph(args, blocks, model_spec)
+
+
+def export_hf_folder(args: argparse.Namespace) -> int:
+    result = hf_checkpoint.export_hf(args.hf, args.output, dtype=args.dtype, opset=args.opset,
+                                     decode=args.decode,
+                                     log=lambda message: print(message, file=sys.stderr, flush=True))
+    config = result.config
+    files = " + ".join(str(f) for f in result.files)
+    print(f"wrote {files} ({result.bytes / 2**20:.1f} MiB, {result.dtype}, opset {result.opset}, "
+          f"{result.seconds:.1f} s)")
+    print(f"  beside it: {', '.join(p.name for p in result.side_files)}")
+    print(f"  model: {config.architecture} ({config.model_type}) from {args.hf}")
+    print(f"  blocks: {len(config.layers)}, with attention: {sum(config.attention_flags)}")
+    # spec.attention_free_runs imports onnx_ir (seconds) on first use: here, after the weight copy
+    print(f"  attention-free runs: {spec.format_runs(spec.attention_free_runs(config.attention_flags))}")
+    if args.decode:
+        cached = [i not in result.cache_layers for i in range(len(config.layers))]  # runs of cached layers
+        print(f"  decode graph: KV cache for layers {spec.format_runs(spec.attention_free_runs(cached))}")
+    print(f"  parameters: {result.parameters:,}")
+    print(f"  time: graph {result.trace_seconds:.1f} s, weights {result.write_seconds:.1f} s")
+    return 0
+
+
+def export_graph(args: argparse.Namespace, blocks: list[int], model_spec: ModelSpec | None) -> int:
+    """The full-sequence graph of SmolLM2 without attention in `blocks`, or of `model_spec`."""
+    from exporters import onnx_export  # deferred: imports torch
+
+    print(f"exporting to {args.output} (from seconds to a few minutes) ...", file=sys.stderr)
+    if model_spec is None:
         result = onnx_export.export_smollm2(args.output, blocks, opset=args.opset)
         name = "SmolLM2-135M-Instruct"
     else:
-        model_spec = (spec.load_spec(args.spec) if args.spec else
-                      spec.super49b_spec(hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
-                                         vocab=args.vocab))
-        print(notice, file=sys.stderr)
         result = onnx_export.export_spec_model(model_spec, args.output, seed=args.seed, opset=args.opset)
         name = f"spec {args.spec}" if args.spec else f"Super-49B pattern, hidden {args.hidden}"
     files = " + ".join(str(f) for f in result.files)
@@ -123,42 +153,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def export_hf_folder(args: argparse.Namespace) -> int:
-    from exporters.hf import checkpoint as hf_checkpoint
+def export_decode_graph(args: argparse.Namespace, blocks: list[int], model_spec: ModelSpec | None) -> int:
+    """The decode graph (KV cache) of SmolLM2 without attention in `blocks`, or of `model_spec`."""
+    from exporters import decode  # deferred: imports torch
 
-    result = hf_checkpoint.export_hf(args.hf, args.output, dtype=args.dtype, opset=args.opset,
-                                     decode=args.decode,
-                                     log=lambda message: print(message, file=sys.stderr, flush=True))
-    # Imported after the export: it imports onnx_ir, which the weight copy does not wait for.
-    from exporters import spec
-
-    config = result.config
-    files = " + ".join(str(f) for f in result.files)
-    print(f"wrote {files} ({result.bytes / 2**20:.1f} MiB, {result.dtype}, opset {result.opset}, "
-          f"{result.seconds:.1f} s)")
-    print(f"  beside it: {', '.join(p.name for p in result.side_files)}")
-    print(f"  model: {config.architecture} ({config.model_type}) from {args.hf}")
-    print(f"  blocks: {len(config.layers)}, with attention: {sum(config.attention_flags)}")
-    print(f"  attention-free runs: {spec.format_runs(spec.attention_free_runs(config.attention_flags))}")
-    if args.decode:
-        cached = [i not in result.cache_layers for i in range(len(config.layers))]  # runs of cached layers
-        print(f"  decode graph: KV cache for layers {spec.format_runs(spec.attention_free_runs(cached))}")
-    print(f"  parameters: {result.parameters:,}")
-    print(f"  time: graph {result.trace_seconds:.1f} s, weights {result.write_seconds:.1f} s")
-    return 0
-
-
-def export_decode_graph(args: argparse.Namespace, decode, spec) -> int:
     print(f"exporting the decode graph to {args.output} (from seconds to a few minutes) ...", file=sys.stderr)
-    if args.smollm2:
-        from exporters import smollm2
-
-        blocks = smollm2.check_blocks(parse_blocks(args.drop_attention))
+    if model_spec is None:
         result = decode.export_smollm2_decode(args.output, blocks, opset=args.opset)
     else:
-        model_spec = (spec.load_spec(args.spec) if args.spec else
-                      spec.super49b_spec(hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
-                                         vocab=args.vocab))
         result = decode.export_spec_decode(model_spec, args.output, seed=args.seed, opset=args.opset)
     files = " + ".join(str(f) for f in result.files)
     print(f"wrote {files} ({result.bytes / 2**20:.1f} MiB, {result.seconds:.1f} s)")

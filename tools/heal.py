@@ -4,12 +4,12 @@ calibration tokens (blockwise local distillation, torch), and write the healed m
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from passes.cli import add_options, parse, tool_parser
 from passes.errors import run_cli
-from runtime.heal.distill import HEAL_DEFAULTS, INPUT_MODES, LOSSES, HealConfig, run_heal
+from runtime.heal.records import INPUT_MODES, LOSSES, HealConfig
+from runtime.heal.report import HEAL_DEFAULTS, run_heal
 
 EPILOG = """\
 examples:
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         heldout=args.heldout,
         log=(lambda m: None) if quiet else print,
     )
-    print(json.dumps(report.to_json(), indent=1) if args.json else "\n".join(report.lines()))
+    print(report.text(args.json))
     return 0
 
 

@@ -22,6 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from passes.errors import UserError, run_cli
+from runtime.tp.ort import reference_error, run_distributed, run_simulated
+from runtime.tp.trt import run_distributed_trt
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,26 +61,11 @@ def load_tokens(path: Path) -> np.ndarray:
     return tokens.astype(np.int64)
 
 
-def _reference_error(model: Path, tokens: np.ndarray, logits: np.ndarray) -> float:
-    from passes.io.sessions import open_session
-    from passes.metrics import max_abs_relative_error
-
-    session = open_session(model, threads=1)
-    reference = session.run(None, {session.get_inputs()[0].name: tokens})[0]
-    return max_abs_relative_error(logits, reference)
-
-
 def run_one(args: argparse.Namespace, directory: Path, tokens: np.ndarray) -> np.ndarray | None:
     if args.simulate:
-        from runtime.tp.ort import run_simulated
-
         return run_simulated(directory, tokens, threads=args.threads)
     if args.backend == "trt":
-        from runtime.tp.trt import run_distributed_trt
-
         return run_distributed_trt(directory, tokens, engine_pattern=args.engines)
-    from runtime.tp.ort import run_distributed
-
     return run_distributed(directory, tokens, threads=args.threads)
 
 
@@ -97,10 +84,10 @@ def main(argv: list[str] | None = None) -> int:
             np.save(out, logits.astype(np.float32))
             print(f"rank 0: {directory}: logits {list(logits.shape)} -> {out}")
             if args.reference is not None:
-                error = _reference_error(args.reference[k], tokens, logits)
+                error = reference_error(args.reference[k], tokens, logits)
                 print(f"relative error vs {args.reference[k]}: {error:.3e}")
     if not args.simulate:
-        import torch.distributed as dist
+        import torch.distributed as dist  # deferred: torch takes seconds to import
 
         if dist.is_initialized():
             dist.destroy_process_group()

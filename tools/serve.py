@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     for flag in ("max_batch", "max_queue", "port", "rank_timeout"):
         if getattr(args, flag) < 1:
             raise UserError(f"--{flag.replace('_', '-')} must be at least 1")
-    from runtime.serve.server import serve
+    from runtime.serve.server import serve  # the web stack loads after the arguments are checked
 
     serve(
         args.model,

@@ -19,6 +19,8 @@ from pathlib import Path
 
 from passes.cli import add_data_file_size, data_file_bytes, tool_parser
 from passes.errors import UserError, run_cli
+from passes.io.model_io import load_proto
+from passes.shard import count_allreduces, shard_file
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,8 +47,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _plan_note(path: Path) -> str:
-    from passes.io.model_io import load_proto
-
     for prop in load_proto(path).metadata_props:
         if prop.key == "ffn_fusion.plan":
             plan = json.loads(prop.value)
@@ -57,7 +57,6 @@ def _plan_note(path: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from passes.shard import count_allreduces, shard_file
 
     if args.count:
         for path in args.models:

@@ -16,12 +16,11 @@ Every error is a UserError naming the file and the field.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from exporters.spec import BlockSpec, ModelSpec
+from exporters.spec import BlockSpec, ModelSpec, ffn_width
 from passes.errors import UserError
 
 LLAMA_FAMILY = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
@@ -30,7 +29,6 @@ DTYPES = ("float32", "float16", "bfloat16")
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 # exporters.hf.folder's config key: layers whose attention was dropped (their o_proj is zero).
 DROPPED_ATTENTION_KEY = "ffn_fusion_dropped_attention"
-FFN_GRANULARITY = 256
 
 # block_configs fields: the ones with a meaning here, and the ones accepted only at their neutral value.
 ATTENTION_FIELDS = {"no_op", "replace_with_linear", "n_heads_in_group"}
@@ -151,11 +149,6 @@ def expected_tensors(config: HfConfig) -> dict[str, tuple[tuple[int, ...], str]]
     if not config.tie_embeddings:
         tensors["lm_head.weight"] = ((config.vocab, hidden), vocab_field + ", tie_word_embeddings")
     return tensors
-
-
-def ffn_width(ffn_mult: float, hidden: int) -> int:
-    """DeciLM's SwiGLU width (design §7): int(2 * ffn_mult * hidden / 3) rounded up to a multiple of 256."""
-    return math.ceil(int(2 * ffn_mult * hidden / 3) / FFN_GRANULARITY) * FFN_GRANULARITY
 
 
 class _Reader:

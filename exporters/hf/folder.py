@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from exporters.smollm2 import check_blocks, load_model, load_tokenizer
+from exporters.smollm2 import check_blocks, load_tokenizer, load_torch_model
 
 # config.json key listing the layers whose attention was dropped (o_proj zero); ignored by transformers.
 DROPPED_ATTENTION_KEY = "ffn_fusion_dropped_attention"
@@ -35,7 +35,7 @@ def save_smollm2(folder: Path, drop_attention: Sequence[int] = ()) -> Path:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     dropped = check_blocks(drop_attention)
-    loaded = load_model()
+    loaded = load_torch_model()
     config = loaded.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config

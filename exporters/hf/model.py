@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from exporters import decode
 from exporters.hf.config import HfConfig
 from exporters.hf.rope import rope_parameters
 from exporters.spec import ModelSpec
@@ -51,7 +52,6 @@ def decode_traceable(config: HfConfig, spec: ModelSpec) -> Traceable:
 
     Its rotary frequencies are this checkpoint's (linear and llama3 scaling are fixed frequencies).
     """
-    from exporters import decode
 
     with torch.device("meta"):
         model = decode.DecodeLlama(spec).eval()

@@ -23,8 +23,11 @@ from pathlib import Path
 
 import numpy as np
 
+from passes.analysis.runner import model_logits
 from passes.blocks import attention_free_runs
 from passes.errors import UserError
+from passes.metrics import cosine, l2_relative_error
+from passes.pipeline import fuse_file
 from passes.plan import NORM_MODES, Plan
 
 DEFAULT_THRESHOLD = 0.15
@@ -102,9 +105,8 @@ def propose(
     healed_cost: Callable[[int, int], float] | None = None,
 ) -> Proposal:
     """Groups for each attention-free run (final FFN left out); see the module docstring for the rules.
-    With `healed_cost` (the error a group keeps after healing, e.g. runtime.heal.distill.HealedCosts), a
-    group's
-    cost is that instead of its largest pairwise dependency, and `threshold` bounds it."""
+    With `healed_cost` (the error a group keeps after healing, e.g. runtime.heal.costs.HealedCosts), a
+    group's cost is that instead of its largest pairwise dependency, and `threshold` bounds it."""
     n = len(attention)
     if len(widths) != n or np.shape(dependency) != (n, n):
         raise UserError(f"{n} blocks but {len(widths)} widths and a {np.shape(dependency)} dependency matrix")
@@ -244,10 +246,6 @@ def choose_norm(
 ) -> NormChoice:
     """Fuse with each norm mode into temporary files in `workdir`, compare logits with the original on
     `tokens`, and pick the mode with the lower relative error. No groups: "last", nothing measured."""
-    from passes.analysis.dependency import model_logits
-    from passes.metrics import cosine, l2_relative_error
-    from passes.pipeline import fuse_file
-
     model_path = Path(model_path)
     choice = NormChoice()
     if not groups:

@@ -272,7 +272,7 @@ def _half_fold_session(count: int):
     (g_i float32, broadcast)."""
     import onnx  # only here: stream_concat itself needs neither onnx nor onnxruntime
 
-    from passes.io.sessions import open_session
+    from passes.io.sessions import open_session  # ONNX Runtime too
 
     helper, half, single = onnx.helper, onnx.TensorProto.FLOAT16, onnx.TensorProto.FLOAT
     value = helper.make_tensor_value_info

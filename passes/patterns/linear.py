@@ -1,12 +1,15 @@
-"""Linear layers with a constant weight: MatMul/Gemm, whose weight input is an initializer or a Constant
-reached through Transpose/Cast/Identity/DequantizeLinear (FP8 Q/DQ), and ORT's MatMulNBits (int4).
+"""Linear layers and their weights: the one recognizer of what multiplies by a constant weight.
+
+A linear layer is a MatMul/Gemm whose weight input is an initializer or a Constant reached through
+Transpose/Cast/Identity/DequantizeLinear (FP8 Q/DQ), or ORT's MatMulNBits (int4).
 
     ref = linear_weight(node)    # WeightRef, or raises NoMatch saying why not
     ref = weight_ref(node)       # WeightRef | None
     linear_shape(node)           # (in, out) as the layer multiplies; NoMatch when it is no such layer
+    find_linears(graph)          # every MatMul with a float 2-D weight, in graph order (what FP8 quantizes)
 
 The attention and SwiGLU recognizers (passes.patterns.attention, .swiglu), the sharder (passes.shard.graph)
-and FP8's linear-layer finder (passes.quant.linears) all read linear layers through this module.
+and FP8 (passes.quant.fp8, .calibrate) all read linear layers through this module.
 """
 
 from __future__ import annotations
@@ -121,3 +124,82 @@ def linear_shape(node: ir.Node) -> tuple[int, int]:
 
 def is_linear(node: ir.Node) -> bool:
     return weight_ref(node) is not None
+
+
+# ------------------------------------------------------------------------------- every linear layer
+
+# What may sit between a float weight and its MatMul: no DequantizeLinear, a weight behind one is
+# quantized already.
+FLOAT_WEIGHT_CHAIN_OPS = ("Transpose", "Cast", "Identity")
+
+
+@dataclass(frozen=True)
+class FloatWeight:
+    """The float constant 2-D weight behind a MatMul's B input, as FP8 quantizes it."""
+
+    value: ir.Value  # initializer, or the output of a Constant node
+    tensor: ir.TensorProtocol
+    transpose: bool  # True when the stored tensor is [out, in]
+    dtype: ir.DataType  # what the MatMul sees (after any Cast)
+
+
+@dataclass(frozen=True)
+class Linear:
+    """A linear layer of a graph. The lm_head is the one from which a graph output is reached without
+    passing another MatMul."""
+
+    node: ir.Node
+    activation: ir.Value
+    weight: FloatWeight
+    is_lm_head: bool
+
+    @property
+    def width(self) -> tuple[int, int]:
+        """(in, out) of the weight as the MatMul sees it."""
+        rows, cols = (int(d) for d in self.weight.tensor.shape)
+        return (cols, rows) if self.weight.transpose else (rows, cols)
+
+
+def _float_weight(node: ir.Node) -> FloatWeight | None:
+    """The float constant 2-D weight behind a MatMul's B input; None if B is not one."""
+    ref = weight_ref(node)
+    if ref is None or any(n.op_type not in FLOAT_WEIGHT_CHAIN_OPS for n in ref.chain):
+        return None
+    tensor = ref.tensor
+    if not tensor.dtype.is_floating_point():
+        return None
+    casts = [n for n in ref.chain if n.op_type == "Cast"]
+    dtype = ref.value.dtype or (ir.DataType(attr(casts[-1], "to", 0)) if casts else tensor.dtype)
+    return FloatWeight(value=ref.source, tensor=tensor, transpose=ref.source_axis(0) == 1, dtype=dtype)
+
+
+def _reaches_output_without_matmul(value: ir.Value) -> bool:
+    seen: set[int] = set()
+    stack = [value]
+    while stack:
+        current = stack.pop()
+        if current.is_graph_output():
+            return True
+        for node in current.consumers():
+            if id(node) in seen or node.op_type in ("MatMul", "Gemm"):
+                continue
+            seen.add(id(node))
+            stack.extend(node.outputs)
+    return False
+
+
+def find_linears(graph: ir.Graph) -> list[Linear]:
+    """All linear layers (MatMul with a float constant 2-D B) in graph order."""
+    found = []
+    for node in graph:
+        if node.op_type != "MatMul" or node.domain != "" or len(node.inputs) != 2:
+            continue
+        a, b = node.inputs
+        if a is None or b is None or (a.dtype is not None and not a.dtype.is_floating_point()):
+            continue
+        weight = _float_weight(node)
+        if weight is None or not weight.dtype.is_floating_point():
+            continue
+        lm_head = _reaches_output_without_matmul(node.outputs[0])
+        found.append(Linear(node=node, activation=a, weight=weight, is_lm_head=lm_head))
+    return found

@@ -1,1 +1,1 @@
-"""FP8 quantization: Q/DQ insertion (QuantizeFP8), activation calibration, the linear layers it finds."""
+"""FP8 quantization: Q/DQ insertion (QuantizeFP8), activation calibration, the opset raise."""

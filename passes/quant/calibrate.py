@@ -15,9 +15,10 @@ import numpy as np
 import onnx_ir as ir
 
 from passes.errors import UserError
+from passes.graph import graph_values
 from passes.io.model_io import load_model
 from passes.io.sessions import open_session
-from passes.quant.linears import find_linears, graph_values
+from passes.patterns.linear import find_linears
 
 FP8_MAX = 448.0
 SCALES_FORMAT = "ffn-fusion-fp8-scales/1"

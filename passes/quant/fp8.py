@@ -17,10 +17,10 @@ Weights are streamed: the scales are computed eagerly from bands of rows read fr
 mapped whole), and the FP8 values are computed band by band again while the model is saved, so memory
 stays near one band whatever the weight size.
 
-Finding the linear layers is passes/quant/linears.py, calibration passes/quant/calibrate.py, raising the opset
-passes/quant/opset.py; this module writes the weights and Q/DQ nodes. `QuantizeFP8` is the onnx-ir pass (it
-chains after passes.fuse.FuseFFNGroups in one PassManager); `quantize_fp8` runs it on one model and
-returns its report.
+Finding the linear layers is passes/patterns/linear.py, calibration passes/quant/calibrate.py, raising
+the opset passes/quant/opset.py; this module writes the weights and Q/DQ nodes. `QuantizeFP8` is the
+onnx-ir pass (it chains after passes.fuse.FuseFFNGroups in one PassManager); `quantize_fp8` runs it on one
+model and returns its report.
 """
 
 from __future__ import annotations
@@ -36,8 +36,10 @@ import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from passes.errors import PassInputError, UserError
+from passes.graph import graph_values
 from passes.io.sessions import ORT_DISABLED_OPTIMIZERS
 from passes.io.stream_concat import read_columns, read_rows
+from passes.patterns.linear import Linear, find_linears
 from passes.quant.calibrate import (  # calibrate, ActivationScales, ... re-exported: callers import them here
     FP8_MAX,
     ActivationScales,
@@ -45,7 +47,6 @@ from passes.quant.calibrate import (  # calibrate, ActivationScales, ... re-expo
     scale_from_amax,
     tokens_sha256,
 )
-from passes.quant.linears import Linear, WeightSource, find_linears, graph_values
 from passes.quant.opset import raise_opset, schema_violation
 
 __all__ = [
@@ -54,12 +55,9 @@ __all__ = [
     "ORT_DISABLED_OPTIMIZERS",
     "TARGET_OPSET",
     "ActivationScales",
-    "Linear",
     "QuantReport",
     "QuantizeFP8",
-    "WeightSource",
     "calibrate",
-    "find_linears",
     "quantize_fp8",
     "scale_from_amax",
     "tokens_sha256",

@@ -23,6 +23,11 @@ from pathlib import Path
 import numpy as np
 
 from passes.errors import UserError
+from passes.graph_inputs import Signature
+from passes.io.model_io import load_model
+from passes.model_map import find_blocks
+from passes.shard import count_allreduces, rank_onnx_files, read_manifest, shard_file
+from runtime.backends import TpRankBackend
 from runtime.generate import DecodeModel, GenerationStats, greedy_generate
 from runtime.tp.gloo import free_port, init_gloo
 
@@ -117,15 +122,10 @@ def model_info(target: str | Path) -> dict:
     allreduces_per_token: one per attention sub-block (o_proj) and one per FFN sub-block (down_proj), the
     all-reduces a tensor-parallel forward needs; fusing a group of k FFNs leaves 1 instead of k.
     """
-    from passes.graph_inputs import Signature
-    from passes.io.model_io import load_model
-    from passes.model_map import find_blocks
 
     path = Path(target)
     info: dict = {"path": str(path)}
     if path.is_dir():
-        from passes.shard import count_allreduces, rank_onnx_files, read_manifest
-
         manifest = read_manifest(path)
         files = rank_onnx_files(path)
         info.update(tp=manifest["tp"], collectives_per_forward=count_allreduces(files[0]))
@@ -163,8 +163,6 @@ def _gloo_bench_worker(
     out: str,
 ) -> None:
     import torch.distributed as dist
-
-    from runtime.backends import TpRankBackend
 
     init_gloo(rank, world, port)
     try:
@@ -213,8 +211,6 @@ def prepare(settings: BenchSettings, targets: dict[str, Path], out: Path) -> dic
         if not path.exists():
             raise UserError(f"--{name} {path} does not exist")
         if settings.tp > 1 and not path.is_dir():
-            from passes.shard import shard_file
-
             sharded = out / "shards" / f"{name}_tp{settings.tp}"
             shard_file(path, settings.tp, sharded, progress=settings.progress)
             targets[name] = sharded

@@ -31,7 +31,7 @@ from pathlib import Path
 from exporters.hf.checkpoint import open_checkpoint
 from runtime.bench.peak_memory import Measured, measure, timed_copy
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MB, GB = 1 << 20, 1 << 30
 MULTS = [5.25, 1.0, 2.625, 1.3125, 0.5, 3.28125]
 
@@ -109,7 +109,7 @@ def write_checkpoint(
     folder: str | Path, hidden: int, heads: int, layers: int, vocab: int, shards: int
 ) -> None:
     """Super-49B-like layers: attention (8 heads per KV head) on even layers only, ffn_mult cycling."""
-    from exporters.hf.synthetic import LLAMA3_ROPE, deci_block, nemotron_config, write_nemotron
+    from exporters.hf.synthetic import LLAMA3_ROPE, deci_block, nemotron_config, write_nemotron  # torch
 
     blocks = [deci_block(8 if i % 2 == 0 else "no_op", MULTS[i % len(MULTS)]) for i in range(layers)]
     config = nemotron_config(blocks, hidden=hidden, heads=heads, vocab=vocab, rope_scaling=LLAMA3_ROPE)

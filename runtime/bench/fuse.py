@@ -34,9 +34,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from passes.io.data_files import data_files
+from passes.io.model_io import load_model, save_model
+from passes.patterns.linear import find_linears
+from passes.quant.fp8 import ActivationScales, quantize_fp8
 from runtime.bench.peak_memory import Measured, measure, timed_copy
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MB = 1 << 20
 FUSE_RSS_BOUND = 256 * MB
 VALIDATE_RSS_BOUND = 512 * MB
@@ -286,8 +289,6 @@ def _fuse(fusion: Fusion, folder: Path, step: str) -> tuple[float, Measured]:
 
 def _unit_scales(model: Path, path: Path) -> Path:
     """An FP8 scales file with scale 1 for every linear input (calibration is a whole-model run)."""
-    from passes.io.model_io import load_model
-    from passes.quant.fp8 import ActivationScales, find_linears
 
     names = {linear.activation.name for linear in find_linears(load_model(model).graph)}
     ActivationScales({name: 1.0 for name in sorted(names)}).save(path)
@@ -303,8 +304,6 @@ def _work_seconds(measured: Measured) -> float:
 
 def fp8_step() -> int:
     """FP8 quantization of sys.argv[1] into sys.argv[2], with unit activation scales (no calibration)."""
-    from passes.io.model_io import load_model, save_model
-    from passes.quant.fp8 import find_linears, quantize_fp8
 
     source, target = Path(sys.argv[1]), Path(sys.argv[2])
     model = load_model(source)

@@ -93,7 +93,10 @@ class Breakdown:
 
 
 @dataclass(frozen=True)
-class ModelSpec:
+class PaperModel:
+    """One of the paper's models as the latency model sees it: dimensions, block table, the FFN groups
+    that fusion joins, the paper's measurements, and the assumptions behind a reconstructed table."""
+
     name: str
     hidden: int
     heads: int
@@ -288,7 +291,7 @@ def fuse_blocks(blocks: Sequence[LayerShape], groups: Sequence[Sequence[int]]) -
     return out
 
 
-def param_count(spec: ModelSpec, blocks: Sequence[LayerShape] | None = None) -> int:
+def param_count(spec: PaperModel, blocks: Sequence[LayerShape] | None = None) -> int:
     """Weights of the model (untied embedding and lm_head, norms included)."""
     h, head_dim = spec.hidden, spec.hidden // spec.heads
     total = 2 * spec.vocab * h + h
@@ -309,9 +312,9 @@ def _split_even(total: int, parts: int, unit: int = 256) -> list[int]:
     return [(units + (1 if p < rem else 0)) * unit for p in range(parts)]
 
 
-def llama_405b() -> ModelSpec:
+def llama_405b() -> PaperModel:
     blocks = tuple(LayerShape(True, 53248) for _ in range(126))
-    return ModelSpec(
+    return PaperModel(
         "Llama-3.1-405B",
         16384,
         128,
@@ -331,7 +334,7 @@ ULTRA_ATTENTION_FREE = range(66, 116)
 ULTRA_OTHER_FFN_MULT = 3.21875
 
 
-def ultra_253b() -> ModelSpec:
+def ultra_253b() -> PaperModel:
     """Reconstructed pre-fusion Ultra-253B block table (126 blocks; paper numbering)."""
     hidden = 16384
     other = ffn_width(ULTRA_OTHER_FFN_MULT, hidden)
@@ -352,16 +355,16 @@ def ultra_253b() -> ModelSpec:
         "tokens_per_s_after": value("paper.ultra253b.after.tokens_per_s"),
         "speedup": value("paper.ultra253b.speedup"),
     }
-    return ModelSpec("Ultra-253B", hidden, 128, 8, 128256, blocks, ULTRA_GROUPS, paper, assumptions)
+    return PaperModel("Ultra-253B", hidden, 128, 8, 128256, blocks, ULTRA_GROUPS, paper, assumptions)
 
 
 SUPER_GROUPS = ((42, 50), (53, 69))
 
 
-def super_49b() -> ModelSpec:
+def super_49b() -> PaperModel:
     hidden = 8192
     blocks = [LayerShape(attention, ffn_width(m, hidden)) for attention, m in super49b_pattern()]
-    return ModelSpec(
+    return PaperModel(
         "Super-49B",
         hidden,
         64,
@@ -373,7 +376,7 @@ def super_49b() -> ModelSpec:
     )
 
 
-def paper_models() -> list[ModelSpec]:
+def paper_models() -> list[PaperModel]:
     return [llama_405b(), ultra_253b(), super_49b()]
 
 
@@ -383,7 +386,7 @@ def paper_models() -> list[ModelSpec]:
 
 @dataclass
 class ModelPrediction:
-    spec: ModelSpec
+    spec: PaperModel
     before: Breakdown
     after: Breakdown
 
@@ -393,7 +396,7 @@ class ModelPrediction:
 
 
 def predict_spec(
-    spec: ModelSpec, hw: Hardware, blocks: Sequence[LayerShape] | None = None, **options
+    spec: PaperModel, hw: Hardware, blocks: Sequence[LayerShape] | None = None, **options
 ) -> Breakdown:
     """predict_decode for `spec`'s dimensions, over its blocks or `blocks` (e.g. fused); `options` are
     predict_decode's keywords (tp, batch, context, weight_bytes, ...)."""
@@ -402,7 +405,7 @@ def predict_spec(
 
 
 def predict_model(
-    spec: ModelSpec, hw: Hardware, tp: int = 8, batch: int = 1, context: int = 1024, weight_bytes: float = 1
+    spec: PaperModel, hw: Hardware, tp: int = 8, batch: int = 1, context: int = 1024, weight_bytes: float = 1
 ) -> ModelPrediction:
     options = {"tp": tp, "batch": batch, "context": context, "weight_bytes": weight_bytes}
     fused = fuse_blocks(spec.blocks, spec.groups)

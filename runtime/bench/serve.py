@@ -22,6 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from passes.errors import UserError
+from runtime.bench.decode import machine
+from runtime.bench.report import machine_line
 
 FORMAT = "ffn-fusion-bench-serve/1"
 PROMPT_TEXT = Path("/usr/share/common-licenses/Apache-2.0")
@@ -216,8 +218,6 @@ def run(
 
 
 def report(targets, concurrencies, requests, max_tokens, prompt_words, rounds, summaries) -> dict:
-    from runtime.bench.decode import machine
-
     by = {(s.label, s.concurrency): s for s in summaries}
     labels = [t.label for t in targets]
     scaling = {
@@ -256,8 +256,6 @@ def report(targets, concurrencies, requests, max_tokens, prompt_words, rounds, s
 
 
 def markdown(data: dict) -> str:
-    from runtime.bench.report import machine_line
-
     s = data["settings"]
     lines = [
         f"# Serving benchmark ({data['date']})",

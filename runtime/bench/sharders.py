@@ -16,10 +16,18 @@ from pathlib import Path
 
 import numpy as np
 
+from exporters.spec import BlockSpec, ModelSpec, super49b_spec
+from passes.io.model_io import load_model, save_model
 from passes.io.sessions import open_session
+from passes.metrics import max_abs_relative_error
+from passes.pipeline import fuse_file
+from passes.plan import Plan
+from passes.quant.fp8 import calibrate, quantize_fp8
+from passes.shard import count_allreduces
 from runtime.bench.peak_memory import Measured, measure
+from runtime.tp.ort import run_simulated
 
-TOOLS = Path(__file__).resolve().parents[1] / "tools"
+TOOLS = Path(__file__).resolve().parents[2] / "tools"
 THREADS = {"OMP_NUM_THREADS": "1"}
 TOLERANCE = 1e-5
 SMALL_BLOCKS = [
@@ -75,9 +83,6 @@ def _rank_bytes(files: list[Path]) -> float:
 def _check(
     files: list[Path], model: Path, ids: np.ndarray, reference: np.ndarray
 ) -> tuple[float | None, str]:
-    from passes.metrics import max_abs_relative_error
-    from runtime.tp.ort import run_simulated
-
     try:
         return max_abs_relative_error(run_simulated(files, ids), reference), ""
     except Exception as exc:  # a wrong rank graph is a result here, not a crash
@@ -86,7 +91,6 @@ def _check(
 
 def _structure(files: list[Path], branches: int) -> tuple[int, bool]:
     """All-reduces per forward, and whether attention got its own (one per residual branch if so)."""
-    from passes.shard import count_allreduces
 
     reduces = count_allreduces(files[0])
     return reduces, reduces == branches
@@ -177,10 +181,7 @@ def compare(
 
 
 def build_models(work: Path, big_hidden: int) -> dict[str, Path]:
-    from exporters.onnx_export import export_spec_model
-    from exporters.spec import ModelSpec, super49b_spec
-    from passes.pipeline import fuse_file
-    from passes.plan import Plan
+    from exporters.onnx_export import export_spec_model  # imports torch: only to build the models
 
     models = work / "models"
     paths = small_models(models, np.random.default_rng(5).integers(0, 256, (2, 16)))
@@ -201,12 +202,7 @@ def small_models(models: Path, calibration_ids: np.ndarray) -> dict[str, Path]:
     """The small TP models in `models` (each built unless there): m49 (SMALL_BLOCKS), m49-fused
     (SMALL_GROUPS), m49-fp8 (its FP8 Q/DQ, lm_head too, calibrated on `calibration_ids`) and gqa (12 heads,
     2 KV heads, vocab 250, untied lm_head). tests/passes/shard/test_shard.py shards the same models."""
-    from exporters.onnx_export import export_spec_model
-    from exporters.spec import BlockSpec, ModelSpec
-    from passes.io.model_io import load_model, save_model
-    from passes.pipeline import fuse_file
-    from passes.plan import Plan
-    from passes.quant.fp8 import calibrate, quantize_fp8
+    from exporters.onnx_export import export_spec_model  # imports torch: only to build the models
 
     models.mkdir(parents=True, exist_ok=True)
     paths = {
@@ -241,8 +237,6 @@ def small_models(models: Path, calibration_ids: np.ndarray) -> dict[str, Path]:
 
 
 def _branch_count(model: Path) -> int:
-    from passes.shard import count_allreduces
-
     return count_allreduces(model)
 
 

@@ -1,1 +1,5 @@
-"""Healing: blockwise local distillation of fused weights towards the original blocks."""
+"""Healing: blockwise local distillation of fused weights towards the original blocks.
+
+Entry points: report.run_heal (tools/heal.py) and costs.HealedCosts (tools/analyze.py --heal).
+distill.heal fits group after group: pair.py checks the two models, streams.py captures the original's
+streams, ffn.py holds the group's FFN in torch, fit.py fits it, write.py writes the healed model."""

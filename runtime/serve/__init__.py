@@ -11,5 +11,5 @@
 - sampling.py: greedy / temperature / top_p with a per-request seeded generator
 - protocol.py: request bodies, OpenAI error JSON, incremental text with stop strings
 - app.py: the HTTP routes (FastAPI + sse-starlette); metrics.py: Prometheus metrics
-- bench.py: the serving benchmark (tools/bench_serve.py)
+- server.py: uvicorn around the app (tools/serve.py); the serving benchmark is runtime/bench/serve.py
 """

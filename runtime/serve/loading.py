@@ -127,7 +127,8 @@ def _tp_folder(folder: Path) -> Path:
     return Path(source).parent if source else folder
 
 
-def open_backend(source: ModelSource, device: str = "cpu", threads: int | None = None) -> Backend:
+def backend_for(source: ModelSource, device: str = "cpu", threads: int | None = None) -> Backend:
+    """The in-process backend of a resolved ORT or TensorRT source (a TP folder runs as TpRanks)."""
     if source.backend == "tensorrt":
         return TrtBackend(source.target)
     return OrtBackend(source.target, device, threads)
@@ -160,7 +161,7 @@ def load(
         except BaseException:
             ranks.close()
             raise
-    model = DecodeModel(open_backend(source, device, threads))
+    model = DecodeModel(backend_for(source, device, threads))
     model.empty_cache(1)  # a cache that cannot be made (symbolic KV dims) fails now, not at the first request
     return _served(target, name, source, model, None, max_context, left_padding)
 
@@ -205,7 +206,7 @@ class EngineLimits:
 
 def engine_limits(engine: Path) -> EngineLimits:
     """The bounds of a TensorRT engine's optimization profile, from its sidecar <engine>.json
-    (exporters.tensorrt.engine): max batch and sequence of input_ids, max length of attention_mask."""
+    (exporters.tensorrt.build): max batch and sequence of input_ids, max length of attention_mask."""
     profile = _read_json(engine.with_name(engine.name + ".json")).get("profile") or {}
     ids, mask = profile.get("input_ids", {}).get("max"), profile.get("attention_mask", {}).get("max")
     return EngineLimits(

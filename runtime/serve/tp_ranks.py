@@ -33,6 +33,11 @@ from typing import Any
 import numpy as np
 
 from passes.errors import UserError
+from passes.shard import rank_onnx_files
+from runtime.backends import TpRankBackend
+from runtime.generate import DecodeModel
+from runtime.serve.batch import runner_for
+from runtime.tp.gloo import free_port, init_gloo
 
 ERROR_GRACE_S = 5.0  # after one rank reports an error, how long the others may take to answer
 STOP_WAIT_S = 10.0
@@ -62,11 +67,6 @@ def _rank_main(rank: int, settings: RankSettings, conn: Connection) -> None:
     if settings.comm == "nccl":  # before CUDA initializes: GPU `rank` is this process's device 0
         os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
     import torch.distributed as dist
-
-    from runtime.backends import TpRankBackend
-    from runtime.generate import DecodeModel
-    from runtime.serve.batch import runner_for
-    from runtime.tp.gloo import init_gloo
 
     try:
         init_gloo(rank, settings.world, settings.port, settings.comm, settings.timeout_s)
@@ -120,9 +120,6 @@ class TpRanks:
         timeout_s: float = 120.0,
         start_timeout_s: float = 600.0,
     ) -> None:
-        from passes.shard import rank_onnx_files
-        from runtime.tp.gloo import free_port
-
         if comm not in COMMS:
             raise UserError(f"unknown collective backend {comm!r}; use {' or '.join(COMMS)}")
         world = len(rank_onnx_files(directory))

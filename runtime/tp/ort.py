@@ -22,6 +22,7 @@ import onnx
 from passes.errors import UserError
 from passes.graph_inputs import Signature
 from passes.io.sessions import CPU, open_session
+from passes.metrics import max_abs_relative_error
 from passes.shard import COLLECTIVE_OP, rank_onnx_files, read_manifest
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "RankProgram",
     "Segment",
     "rank_onnx_files",
+    "reference_error",
     "run_distributed",
     "run_simulated",
     "split_rank_graph",
@@ -360,3 +362,10 @@ def run_distributed(directory: str | Path, tokens: np.ndarray, threads: int = 1)
     outputs = program.run(_feeds(program, tokens), torch_collective(world))
     dist.barrier()
     return outputs[program.outputs[0]] if rank == 0 else None
+
+
+def reference_error(model: str | Path, tokens: np.ndarray, logits: np.ndarray) -> float:
+    """Max-abs relative error of tensor-parallel `logits` against the single-device `model` on `tokens`."""
+    session = open_session(model, threads=1)
+    reference = session.run(None, {session.get_inputs()[0].name: tokens})[0]
+    return max_abs_relative_error(logits, reference)

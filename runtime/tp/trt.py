@@ -61,7 +61,7 @@ class RankBuild:
 def count_collective_layers(onnx_path: str | Path) -> int:
     """How many DistCollective layers TensorRT's ONNX parser makes of a rank graph."""
     from exporters.tensorrt import shim as trt_shim
-    from exporters.tensorrt.engine import parse_onnx
+    from exporters.tensorrt.build import parse_onnx
 
     trt = trt_shim.load()
     logger = trt.logger()
@@ -80,7 +80,7 @@ def build_rank_engines(
     engine_pattern: str | None = None,
 ) -> list[RankBuild]:
     """Build one engine per rank graph (TensorRT-RTX here: ahead of time for sm89)."""
-    from exporters.tensorrt.engine import Profile, build_engine
+    from exporters.tensorrt.build import Profile, build_engine
 
     profile = Profile.batch_seq(batch, seq)
     builds = []

@@ -20,7 +20,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from exporters.tensorrt.engine import onnx_sha256
+from exporters.tensorrt.build import onnx_sha256
 from passes.graph_inputs import Signature
 from passes.io.data_files import data_file_names
 from passes.io.sessions import open_session

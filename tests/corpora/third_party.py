@@ -52,7 +52,7 @@ from passes.io.model_io import load_model, save_model
 from passes.model_map import AttentionBlock, build_model_map
 
 CORPUS_VERSION = "1"  # bump when an entry's recipe changes: the cache key
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 OPTIMUM_VENV = ROOT / ".venv-optimum"
 # onnx and onnxruntime: Optimum needs them to fix the exported dynamic axes (not its own dependencies).
 OPTIMUM_REQUIREMENTS = ("optimum-onnx==0.1.0", "transformers>=4.57,<4.58", "onnx", "onnxruntime")
@@ -117,7 +117,7 @@ def export_optimum(hf: Path, out: Path, with_past: bool) -> Path:
 
 def export_torchscript(hf: Path, out: Path, opset: int = 17) -> Path:
     path = out / "model.onnx"
-    _run([optimum_python(), ROOT / "exporters" / "torchscript_hf.py", hf, path, opset])
+    _run([optimum_python(), Path(__file__).with_name("torchscript_hf.py"), hf, path, opset])
     return path
 
 

@@ -281,7 +281,7 @@ def test_smollm2_unchanged_greedy_token_torch_equals_ort(smollm2_onnx):
 
     tokenizer = smollm2.load_tokenizer()
     ids = _prompt_ids()
-    ref = _hf_logits(smollm2.load_model(), ids)
+    ref = _hf_logits(smollm2.load_torch_model(), ids)
     got = ort_logits(smollm2_onnx, ids)
     assert rel_error(got, ref) < 1e-4
     assert tokenizer.decode(int(ref[0, -1].argmax())) == " Paris"

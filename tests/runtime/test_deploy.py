@@ -7,7 +7,7 @@ from pathlib import Path
 
 import onnx
 
-from exporters.tensorrt.engine import Profile
+from exporters.tensorrt.build import Profile
 from runtime.deploy import EngineRequest, build_engines
 from tests import fp8_fixtures as fx
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from exporters.tensorrt import engine as te
 from exporters.tensorrt import shim as trt_shim
+from exporters.tensorrt.build import DimRanges, Profile, input_profiles, resolve_profiles
 from passes.errors import UserError
 from tests import decode_fixtures
 
@@ -33,18 +33,18 @@ def _require_trt() -> None:
 
 def test_profiles_for_every_dynamic_input(fused_decode: Path) -> None:
     """From the (batch, seq) profile of input_ids, by dim name: past_len from 0 to seq max - 1."""
-    main = te.Profile(min=(1, 1), opt=(1, 16), max=(2, 64))
-    profiles = te.resolve_profiles(fused_decode, main)
+    main = Profile(min=(1, 1), opt=(1, 16), max=(2, 64))
+    profiles = resolve_profiles(fused_decode, main)
     assert sorted(profiles) == sorted(["input_ids", "attention_mask", *CACHE])
     assert profiles["input_ids"] == main
-    assert profiles["attention_mask"] == te.Profile((1, 1), (1, 16), (2, 64))  # total = past_len + seq
-    assert profiles["past_key_4"] == te.Profile((1, 2, 0, 16), (1, 2, 0, 16), (2, 2, 63, 16))
-    ranges = te.DimRanges(batch=(1, 1, 2), seq=(1, 1, 8), past=(0, 100, 200))
-    past = te.input_profiles(fused_decode, ranges)["past_value_0"]
+    assert profiles["attention_mask"] == Profile((1, 1), (1, 16), (2, 64))  # total = past_len + seq
+    assert profiles["past_key_4"] == Profile((1, 2, 0, 16), (1, 2, 0, 16), (2, 2, 63, 16))
+    ranges = DimRanges(batch=(1, 1, 2), seq=(1, 1, 8), past=(0, 100, 200))
+    past = input_profiles(fused_decode, ranges)["past_value_0"]
     assert (past.min, past.opt, past.max) == ((1, 2, 0, 16), (1, 2, 100, 16), (2, 2, 200, 16))
-    assert te.input_profiles(fused_decode, ranges)["attention_mask"].max == (2, 201)
+    assert input_profiles(fused_decode, ranges)["attention_mask"].max == (2, 201)
     with pytest.raises(UserError, match="min <= opt <= max"):
-        te.DimRanges(batch=(1, 1, 2), seq=(1, 1, 8), past=(0, 9, 4))
+        DimRanges(batch=(1, 1, 2), seq=(1, 1, 8), past=(0, 9, 4))
 
 
 def test_cli_builds_decode_engine_and_rank_engines(fused_decode: Path, tmp_path: Path, tool) -> None:

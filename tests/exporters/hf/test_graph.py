@@ -29,7 +29,7 @@ from tests.exporters.hf_fixtures import (
     write_nemotron,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 VOCAB = 96
 
 # HF config overrides -> rope type, every type exporters.hf.rope computes (dynamic: its unscaled table).

@@ -1,11 +1,8 @@
-"""Plan proposal: limits, run boundaries, optimality; norm choice by measured error; the analyze tool."""
+"""Plan proposal: limits, run boundaries, optimality; norm choice by measured error."""
 
 from __future__ import annotations
 
 import itertools
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,13 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from exporters.synthetic import SyntheticSpec, build_synthetic
+from passes.analysis import runner
 from passes.analysis.propose import attention_free_runs, choose_norm, group_max_dependency, propose
 from passes.errors import UserError
 from passes.io.model_io import load_model
 from passes.model_map import find_blocks
 from passes.plan import validate_plan
 
-ROOT = Path(__file__).resolve().parents[2]
 A, F = True, False
 
 
@@ -163,14 +160,12 @@ def test_choose_norm_measures_both_modes(model, tmp_path):
 def test_choose_norm_streams_large_models(model, tmp_path, monkeypatch):
     """Above STREAMING_BYTES the original and both fused models run block by block (models larger than
     RAM), with the same errors as whole-model sessions."""
-    from passes.analysis import dependency as analysis
-
     tokens = np.random.default_rng(0).integers(0, 64, (2, 10))
     whole = choose_norm(model, [(1, 3)], tokens, tmp_path)
     streamed_runs = []
-    monkeypatch.setattr(analysis, "STREAMING_BYTES", 0)
-    tail = _recorded(analysis.BlockRunner._run_tail, streamed_runs)
-    monkeypatch.setattr(analysis.BlockRunner, "_run_tail", tail)
+    monkeypatch.setattr(runner, "STREAMING_BYTES", 0)
+    tail = _recorded(runner.BlockRunner._run_tail, streamed_runs)
+    monkeypatch.setattr(runner.BlockRunner, "_run_tail", tail)
     streamed = choose_norm(model, [(1, 3)], tokens, tmp_path)
     assert len(streamed_runs) == 3  # the original and the two fused models
     for mode in ("last", "fold"):
@@ -186,54 +181,3 @@ def _recorded(method, calls: list):
         return method(self, *args)
 
     return wrapper
-
-
-def _tool(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT, timeout=300)
-
-
-def test_analyze_tool_end_to_end(model, tmp_path):
-    out = tmp_path / "analysis"
-    run = _tool(
-        "tools/analyze.py",
-        str(model),
-        "--out",
-        str(out),
-        "--num-tokens",
-        "24",
-        "--window",
-        "12",
-        "--threshold",
-        "2",
-        "--max-group",
-        "3",
-        "--quiet",
-    )
-    assert run.returncode == 0, run.stderr
-    assert "group [1, 3]: 3 FFNs" in run.stdout and "block 4 is the run's final FFN" in run.stdout
-    assert "analysis: 7 blocks, 24 tokens, 28 block evaluations in" in run.stdout
-    report = json.loads((out / "analysis.json").read_text())
-    assert [b["index"] for b in report["blocks"]] == list(range(7))
-    assert set(report["blocks"][0]) == {
-        "index",
-        "attention",
-        "ffn_width",
-        "io_cosine_distance",
-        "residual_norm_ratio",
-    }
-    assert report["dependency"][3][2] is None and report["dependency"][2][3] > 0
-    assert set(report["norm_errors"]) == {"last", "fold"}
-    plan = json.loads((out / "plan.json").read_text())
-    errors = {m: e["logits_rel_error"] for m, e in report["norm_errors"].items()}
-    assert plan == {"groups": [[1, 3]], "norm": min(errors, key=errors.get)}
-    assert (out / "dependency.png").stat().st_size > 10_000
-    assert sorted(p.name for p in out.iterdir()) == ["analysis.json", "dependency.png", "plan.json"]
-    fused = _tool("tools/fuse_onnx.py", str(model), str(out / "plan.json"), "-o", str(tmp_path / "f.onnx"))
-    assert fused.returncode == 0, fused.stderr
-    assert "blocks: 7 -> 5" in fused.stdout
-
-
-def test_analyze_tool_user_errors(model, tmp_path):
-    run = _tool("tools/analyze.py", str(model), "--out", str(tmp_path), "--text", "/nonexistent.txt")
-    assert run.returncode == 2
-    assert run.stderr.strip().startswith("error:") and "vocabulary of 64" in run.stderr

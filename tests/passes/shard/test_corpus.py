@@ -27,7 +27,7 @@ from passes.shard import shard_file
 from runtime.tp.ort import run_simulated
 from tests.corpora.fixtures import third_party_corpus  # noqa: F401
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 pytestmark = pytest.mark.slow
 TOLERANCE = 1e-5

@@ -27,7 +27,7 @@ from passes.shard.plan import PAD, HeadPlan, head_columns
 from runtime.tp.ort import run_simulated
 from tests import shard_forms
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 TOLERANCE = 1e-5
 

@@ -34,7 +34,7 @@ from runtime.bench.sharders import TOLERANCE, small_models
 from runtime.tp.ort import run_simulated
 from tests import decode_fixtures
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 # The m49 models (runtime.bench.sharders.SMALL_BLOCKS): the Super-49B pattern (8 heads, 1 KV head,
 # attention-free runs); widths 60/100/44 and the fused 212 are not multiples of 8, so tp=8 pads them.

@@ -27,7 +27,7 @@ from runtime.bench.latency_model import (
     ultra_253b,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_calibration_targets_are_met():

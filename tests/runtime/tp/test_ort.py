@@ -18,7 +18,7 @@ from passes.shard import count_allreduces, shard_file
 from runtime.tp.ort import RankProgram, run_simulated, split_rank_graph
 from tests.passes.shard.test_shard import TOLERANCE, TpModels, build_models, single_device, tokens
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""TensorRT engines from FP8 ONNX (exporters/tensorrt/engine.py, exporters/tensorrt/shim.py).
+"""Building TensorRT engines from FP8 ONNX (exporters/tensorrt/build.py).
 
 On machines without a GPU this builds real engines ahead of time with TensorRT-RTX for sm89.
 """
@@ -7,43 +7,21 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sys
 import time
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from exporters.tensorrt import engine as te
+from exporters.tensorrt import build as te
 from exporters.tensorrt import shim as trt_shim
 from passes.errors import UserError
-from passes.io.model_io import load_model, save_model
-from passes.quant.fp8 import calibrate, quantize_fp8
 from tests import fp8_fixtures as fx
 
 MODEL_KINDS = ["tiny_llama", "wide_ffn"]  # add a fused-model kind here once fx.MODELS has one
 PROFILE = te.Profile(min=(1, 1), opt=(1, 16), max=(2, 64))
-
-
-@pytest.fixture(scope="module")
-def fp8_model(tmp_path_factory):
-    cache: dict[str, Path] = {}
-
-    def get(kind: str) -> Path:
-        if kind not in cache:
-            src = fx.model_path(kind, tmp_path_factory)
-            scales = calibrate(src, fx.calib_batches(), progress=False)
-            model = load_model(src)
-            quantize_fp8(model, scales)
-            out = tmp_path_factory.mktemp(f"fp8_{kind}") / f"{kind}_fp8.onnx"
-            save_model(model, out, external=True)
-            cache[kind] = out
-        return cache[kind]
-
-    return get
 
 
 def _sha256_of_files(*paths: Path) -> str:
@@ -154,63 +132,3 @@ def test_profile_must_be_ordered_and_cover_dynamic_inputs(fp8_model, tmp_path):
         te.build_engine(
             fp8_model("tiny_llama"), tmp_path / "x.engine", profile={"other": te.Profile((1,), (1,), (1,))}
         )
-
-
-def test_shim_targets_and_refusals():
-    trt = trt_shim.load()
-    assert trt.flavor in ("tensorrt", "tensorrt_rtx") and trt.version == trt.module.__version__
-    assert trt_shim.parse_compute_capability("sm89") == (8, 9) == trt_shim.parse_compute_capability("8.9")
-    assert trt_shim.parse_compute_capability("sm_120") == (12, 0)
-    with pytest.raises(UserError, match="bad compute capability"):
-        trt_shim.parse_compute_capability("ada")
-    if not trt.is_rtx:
-        pytest.skip("ahead-of-time targets are TensorRT-RTX's")
-    config = trt.module.Builder(trt.logger().handle).create_builder_config()
-    assert trt.set_target(config, None) == "sm89"
-    assert config.num_compute_capabilities == 1
-    assert config.get_compute_capability(0) == trt.module.ComputeCapability.SM89
-    assert trt.set_target(config, "sm86") == "sm86"
-    with pytest.raises(UserError, match="sm90.*datacenter"):
-        trt.set_target(config, "sm90")
-    assert trt.enable_dist_collective(config) is False  # native in TensorRT-RTX
-    assert not trt.supports_timing_cache
-
-
-def test_missing_tensorrt_names_both_packages(monkeypatch):
-    trt_shim.load.cache_clear()
-    monkeypatch.setitem(sys.modules, "tensorrt", None)  # makes `import tensorrt` raise ImportError
-    monkeypatch.setitem(sys.modules, "tensorrt_rtx", None)
-    try:
-        with pytest.raises(UserError) as info:
-            trt_shim.load()
-    finally:
-        trt_shim.load.cache_clear()
-    message = str(info.value)
-    assert "pip install tensorrt`" in message and "tensorrt-rtx-cu13" in message and "\n" not in message
-
-
-def test_check_needs_datacenter_tensorrt_and_a_gpu(fp8_model, tmp_path):
-    if not trt_shim.load().is_rtx and trt_shim.current_gpu_compute_capability() is not None:
-        pytest.skip("a GPU with datacenter TensorRT is here; tests/tools covers --check")
-    with pytest.raises(UserError, match="needs datacenter TensorRT|needs a GPU"):
-        te.check_engine(tmp_path / "none.engine", fp8_model("tiny_llama"), [(1, 8)], vocab=fx.VOCAB)
-
-
-def test_polygraphy_comparator_with_onnxrt_runners(fp8_model, tmp_path_factory):
-    """The --check machinery (data loader, ORT runner, Comparator) with ORT fp32 as the reference."""
-    src = fx.model_path("tiny_llama", tmp_path_factory)
-    fp8 = fp8_model("tiny_llama")
-    feeds = te.token_feeds([(1, 1), (1, 16), (2, 64)], fx.VOCAB, seed=3)
-    assert [f["input_ids"].shape for f in feeds] == [(1, 1), (1, 16), (2, 64)]
-    assert all(f["input_ids"].dtype == np.int64 and f["input_ids"].max() < fx.VOCAB for f in feeds)
-    loose = te.compare_runners([te.onnxrt_runner(src), te.onnxrt_runner(fp8)], feeds, atol=0.5, rtol=0.5)
-    (out,) = loose.outputs
-    fx.log(f"Comparator fp32 vs FP8 (ORT): rel err {out.rel_error:.4f}, min cosine {out.min_cosine:.5f}")
-    assert loose.passed and out.passed and out.name == "logits"
-    assert 1e-4 < out.rel_error < 0.07 and out.min_cosine > 0.99
-    ref = np.concatenate([fx.run_logits(src, f["input_ids"]).ravel() for f in feeds])
-    got = np.concatenate([fx.run_logits(fp8, f["input_ids"]).ravel() for f in feeds])
-    assert out.rel_error == pytest.approx(np.linalg.norm(got - ref) / np.linalg.norm(ref), rel=1e-4)
-    assert out.max_abs_error == pytest.approx(np.abs(got - ref).max(), rel=1e-4)
-    tight = te.compare_runners([te.onnxrt_runner(src), te.onnxrt_runner(fp8)], feeds, atol=1e-6, rtol=1e-6)
-    assert not tight.passed and not tight.outputs[0].passed

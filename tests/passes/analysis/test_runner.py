@@ -10,8 +10,9 @@ import pytest
 
 from exporters.synthetic import SyntheticSpec, build_synthetic
 from passes import reference
-from passes.analysis import dependency as analysis
-from passes.analysis.dependency import BlockRunner, analyze
+from passes.analysis import runner
+from passes.analysis.dependency import analyze
+from passes.analysis.runner import BlockRunner
 
 BLOCKS = [(True, 48), (True, 64), (False, 40), (False, 56), (True, 32), (False, 24)]
 
@@ -23,11 +24,11 @@ def model(tmp_path_factory):
 
 
 class _LiveSessions:
-    """Counts the ONNX Runtime sessions alive at once (analysis.session wrapped)."""
+    """Counts the ONNX Runtime sessions alive at once (runner.session wrapped)."""
 
     def __init__(self, monkeypatch):
         self.live = self.peak = 0
-        original = analysis.session
+        original = runner.session
 
         def counted(*args, **kwargs):
             sess = original(*args, **kwargs)
@@ -36,7 +37,7 @@ class _LiveSessions:
             weakref.finalize(sess, self._closed)
             return sess
 
-        monkeypatch.setattr(analysis, "session", counted)
+        monkeypatch.setattr(runner, "session", counted)
 
     def _closed(self) -> None:
         self.live -= 1
@@ -46,14 +47,16 @@ def test_streaming_analysis_equals_whole_model(model, monkeypatch):
     tokens = np.random.default_rng(0).integers(0, 64, (2, 16))
     whole = analyze(model, tokens, progress=False, runner=BlockRunner(model, streaming=False))
     sessions = _LiveSessions(monkeypatch)
-    runner = BlockRunner(model, streaming=True)
-    streamed = analyze(model, tokens, progress=False, runner=runner)
+    streaming = BlockRunner(model, streaming=True)
+    streamed = analyze(model, tokens, progress=False, runner=streaming)
     assert sessions.peak == 1  # one block (or the prefix) at a time, never the whole model
     np.testing.assert_allclose(streamed.dependency, whole.dependency, rtol=1e-5, atol=1e-7)
     assert streamed.chain_rel_error < 1e-6
     whole_logits = BlockRunner(model, streaming=False)
     whole_logits.capture(tokens)
-    np.testing.assert_allclose(runner.logits, whole_logits.logits, rtol=1e-5, atol=1e-5)  # through the tail
+    np.testing.assert_allclose(
+        streaming.logits, whole_logits.logits, rtol=1e-5, atol=1e-5
+    )  # through the tail
 
 
 def test_streaming_logits_of_a_skip_norm_graph(skip_norm_model, monkeypatch):
@@ -63,9 +66,9 @@ def test_streaming_logits_of_a_skip_norm_graph(skip_norm_model, monkeypatch):
     whole = BlockRunner(skip_norm_model, streaming=False)
     whole.capture(tokens)
     sessions = _LiveSessions(monkeypatch)
-    assert np.allclose(analysis.model_logits(skip_norm_model, tokens), whole.logits, rtol=1e-5, atol=1e-5)
-    monkeypatch.setattr(analysis, "STREAMING_BYTES", 0)
-    streamed = analysis.model_logits(skip_norm_model, tokens)
+    assert np.allclose(runner.model_logits(skip_norm_model, tokens), whole.logits, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(runner, "STREAMING_BYTES", 0)
+    streamed = runner.model_logits(skip_norm_model, tokens)
     assert sessions.peak == 1
     np.testing.assert_allclose(streamed, whole.logits, rtol=1e-5, atol=1e-5)
 
@@ -92,18 +95,18 @@ def test_streamed_logits_of_a_fused_model_never_load_a_large_block(model, tmp_pa
 
     fused = fuse_file(model, Plan(((1, 3),), mode), tmp_path / "fused.onnx").output
     tokens = np.random.default_rng(3).integers(0, 64, (2, 9))
-    whole = analysis.model_logits(fused, tokens)
+    whole = runner.model_logits(fused, tokens)
     referenced = []
-    parallel_sum = analysis.parallel_sum
+    parallel_sum = runner.parallel_sum
 
     def recorded(x, group, norm_mode):
         referenced.append(group[0])
         return parallel_sum(x, group, norm_mode)
 
-    monkeypatch.setattr(analysis, "parallel_sum", recorded)
-    monkeypatch.setattr(analysis, "STREAMING_BYTES", 0)
-    monkeypatch.setattr(analysis, "LARGE_FFN_BYTES", 0)
+    monkeypatch.setattr(runner, "parallel_sum", recorded)
+    monkeypatch.setattr(runner, "STREAMING_BYTES", 0)
+    monkeypatch.setattr(runner, "LARGE_FFN_BYTES", 0)
     monkeypatch.setattr(reference, "ACTIVATION_BYTES", 1)  # one token per slice of the FFN reference
-    streamed = analysis.model_logits(fused, tokens)
+    streamed = runner.model_logits(fused, tokens)
     assert len(referenced) == 4 and referenced[1].attention  # every block, the fused one after its attention
     np.testing.assert_allclose(streamed, whole, rtol=1e-4, atol=1e-4)

@@ -8,7 +8,7 @@ import numpy as np
 
 from exporters.onnx_export import export_spec_model
 from exporters.spec import BlockSpec, ModelSpec
-from exporters.tensorrt import engine as te
+from exporters.tensorrt import build as te
 from passes.io.model_io import load_model, save_model
 from passes.pipeline import fuse_file
 from passes.plan import Plan

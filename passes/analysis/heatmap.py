@@ -1,0 +1,100 @@
+"""The dependency matrix as a heatmap, like the paper's figure (dependency.png of tools/analyze.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+
+
+def plot_dependency(
+    dependency: np.ndarray,
+    attention: list[bool],
+    groups: Iterable[tuple[int, int]],
+    path: str | Path,
+    title: str = "Block dependency",
+) -> Path:
+    """A heatmap of the dependency matrix like the paper's figure: row i = skipped block, column j =
+    block whose contribution is measured; attention-free blocks marked along both axes, groups boxed."""
+    # matplotlib here, not at the top: it takes a second to import, and only the figure needs it.
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import LogNorm
+    from matplotlib.patches import Patch, Rectangle
+
+    n = len(attention)
+    values = np.asarray(dependency, dtype=np.float64)
+    finite = values[np.isfinite(values)]
+    positive = finite[finite > 0]
+    low = max(float(positive.min()) if positive.size else 1e-3, 1e-3)
+    high = max(float(finite.max()) if finite.size else 1.0, low * 10)
+    shown = np.where(np.isfinite(values), np.clip(values, low, None), np.nan)
+    size = min(4.0 + 0.28 * n, 16.0)
+    fig, ax = plt.subplots(figsize=(size + 1.6, size))
+    cmap = matplotlib.colormaps["viridis"].with_extremes(bad="#f2f2f2")
+    image = ax.imshow(shown, cmap=cmap, norm=LogNorm(vmin=low, vmax=high), interpolation="nearest")
+    free_color, attn_color = "#d62728", "#404040"
+    step = 1 if n <= 40 else max(1, n // 40)
+    ticks = list(range(0, n, step))
+    ax.set_xticks(ticks, [str(t) for t in ticks], fontsize=7, rotation=90 if n > 40 else 0)
+    ax.set_yticks(ticks, [str(t) for t in ticks], fontsize=7)
+    for labels in (ax.get_xticklabels(), ax.get_yticklabels()):
+        for label in labels:
+            free = not attention[int(label.get_text())]
+            label.set_color(free_color if free else attn_color)
+            label.set_fontweight("bold" if free else "normal")
+    # A strip along the top and the left: one cell per block, red where the block has no attention.
+    for k, has_attention in enumerate(attention):
+        color = attn_color if has_attention else free_color
+        ax.add_patch(Rectangle((k - 0.5, -1.6), 1, 0.8, color=color, clip_on=False))
+        ax.add_patch(Rectangle((-1.6, k - 0.5), 0.8, 1, color=color, clip_on=False))
+    group_color = "#ff7f0e"
+    for first, last in groups:
+        ax.add_patch(
+            Rectangle(
+                (first - 0.5, first - 0.5),
+                last - first + 1,
+                last - first + 1,
+                fill=False,
+                edgecolor=group_color,
+                linewidth=2.4,
+            )
+        )
+        ax.text(
+            last + 0.6,
+            first - 0.2,
+            f"[{first}, {last}]",
+            color=group_color,
+            fontsize=8,
+            fontweight="bold",
+            va="top",
+            ha="left",
+        )
+    ax.set_xlim(-1.7, n - 0.5)
+    ax.set_ylim(n - 0.5, -1.7)
+    ax.set_xlabel("block j (contribution measured)")
+    ax.set_ylabel("block i (skipped)")
+    ax.set_title(title, fontsize=11)
+    bar = fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04)
+    ticks = [m * 10.0**e for e in range(-4, 2) for m in (1, 2, 5) if low <= m * 10.0**e <= high]
+    if ticks:
+        bar.set_ticks(ticks, labels=[f"{t:g}" for t in ticks])
+    bar.set_label("dependency: mean 1 - cos(h_j, h~_j)  (log scale)")
+    ax.legend(
+        handles=[
+            Patch(color=free_color, label="attention-free block"),
+            Patch(color=attn_color, label="block with attention"),
+            Patch(facecolor="none", edgecolor=group_color, linewidth=2, label="proposed group"),
+        ],
+        loc="lower left",
+        fontsize=8,
+        framealpha=0.9,
+    )
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path

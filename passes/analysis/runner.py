@@ -1,0 +1,250 @@
+"""Running a decoder with ONNX Runtime, whole or block by block on the subgraphs of the graph cut (cut.py).
+
+BlockRunner captures one run of the whole model (every block's streams and the side tensors), then runs
+any block on any input stream. Above STREAMING_BYTES of weights it streams (models larger than RAM): a
+capture runs the prefix (embedding, rotary tables, masks), each block and the tail (final norm, lm_head)
+one after the other, and at most one block's weights are loaded at a time. model_logits gives a model's
+logits the same way, so that no model larger than RAM is loaded whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+
+from passes.analysis.cut import NameGraph, cut_blocks, fill_stream_types, split_skip_norms, value_types
+from passes.errors import UserError
+from passes.graph_inputs import Signature
+from passes.io.model_io import load_model, load_proto, weight_bytes
+from passes.io.sessions import open_session
+from passes.model_map import find_blocks, vocab_size
+from passes.reference import ffn_weight_bytes, parallel_sum
+
+# Above this many bytes of weights a BlockRunner streams: one block's weights in memory at a time.
+STREAMING_BYTES = 3 << 30
+# model_logits, streaming: a block whose FFN holds more than this (a fused group's) is evaluated from its
+# weights a row block at a time in float64 (passes/reference.py), not loaded into a session.
+LARGE_FFN_BYTES = 256 << 20
+
+
+def session(
+    proto: onnx.ModelProto, folder: Path, threads: int = 0, prepack: bool = True
+) -> ort.InferenceSession:
+    """An ONNX Runtime CPU session for `proto` whose external data (if any) lies in `folder`."""
+    return open_session(proto, folder=folder, threads=threads or None, prepack=prepack)
+
+
+def _typed_proto(path: Path) -> onnx.ModelProto:
+    """The model proto (external data left on disk) with value types from shape inference."""
+    proto = load_proto(path)
+    try:
+        return onnx.shape_inference.infer_shapes(proto)
+    except (onnx.shape_inference.InferenceError, RuntimeError):
+        return proto
+
+
+class BlockRunner:
+    """Runs a decoder whole (capturing streams and side tensors) or block by block."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        threads: int = 0,
+        streaming: bool | None = None,
+        large_ffn_bytes: int | None = None,
+    ):
+        self.path = Path(model_path)
+        model = load_model(self.path)
+        self.blocks = find_blocks(model)
+        self.proto = _typed_proto(self.path)
+        self.cuts = cut_blocks(self.blocks, self.proto)
+        self.threads = threads
+        # Streaming (models larger than RAM; default: above STREAMING_BYTES of weights): at most one block's
+        # weights are loaded at a time, and captures run block by block instead of as one whole model.
+        self.streaming = weight_bytes(model) > STREAMING_BYTES if streaming is None else streaming
+        del model
+        self._sessions: dict[int, ort.InferenceSession] = {}
+        self._attention: dict[int, tuple[list[str], ort.InferenceSession]] = {}
+        self.side: dict[str, np.ndarray] = {}
+        self.logits: np.ndarray | None = None
+        self._tail: tuple[list[str], onnx.ModelProto] | None = None
+        # Streaming: blocks with more FFN weight bytes than this run through the row-block reference.
+        self.large_ffn_bytes = large_ffn_bytes
+
+    @property
+    def vocab(self) -> int:
+        return vocab_size(self.blocks)
+
+    def block_session(self, k: int) -> ort.InferenceSession:
+        if k not in self._sessions:
+            if self.streaming:
+                self._sessions.clear()  # release the previous block's weights before loading these
+                self._attention.clear()
+                # No prepacked second copy of the weights (measured in docs/scale.md: the peak halves).
+                self._sessions[k] = session(self.cuts[k].proto, self.path.parent, self.threads, prepack=False)
+            else:
+                self._sessions[k] = session(self.cuts[k].proto, self.path.parent, self.threads)
+                self.cuts[k].proto = onnx.ModelProto()  # the session holds the weights now
+        return self._sessions[k]
+
+    def _stream_names(self) -> list[str]:
+        return [c.input_name for c in self.cuts] + [self.cuts[-1].output_name]
+
+    def _side_names(self, tail: bool) -> list[str]:
+        """The side tensors a streaming capture needs: the blocks' and, with `tail`, the tail's."""
+        tail_sides = self._tail_cut()[0] if tail else []
+        return sorted({n for c in self.cuts for n in c.side_inputs} | set(tail_sides))
+
+    def _tail_cut(self) -> tuple[list[str], onnx.ModelProto]:
+        """The graph after the last block: its side inputs and the subgraph last stream -> logits (the final
+        norm and the lm_head; one matrix of weights). A final Skip*Normalization whose sum ends the last
+        block is split first (split_skip_norms), so that its norm reads the stream."""
+        if self._tail is None:
+            last, logits = self.cuts[-1].output_name, self.proto.graph.output[0].name
+            split_skip_norms(self.proto, [last])
+            side = NameGraph(self.proto).block_side_inputs(last, logits)
+            self._tail = (side, onnx.utils.Extractor(self.proto).extract_model([last, *side], [logits]))
+        return self._tail
+
+    def _prefix(self, sides: list[str]) -> ort.InferenceSession:
+        """The graph from its inputs to the first block's input and every side tensor (the embedding,
+        rotary tables, masks): what a streaming capture runs before the blocks."""
+        inputs = [v.name for v in self.proto.graph.input]
+        sub = onnx.utils.Extractor(self.proto).extract_model(inputs, [self.cuts[0].input_name, *sides])
+        produced = {out for node in sub.graph.node for out in node.output}
+        if any(c.output_name in produced for c in self.cuts):
+            raise UserError("a side tensor of a block depends on a later block; cannot stream this model")
+        return session(sub, self.path.parent, self.threads)
+
+    def _capture_streaming(
+        self, tokens: np.ndarray, extra: Iterable[str], only: bool
+    ) -> dict[str, np.ndarray]:
+        """capture() block by block: the prefix, then each block's subgraph, one block loaded at a time."""
+        extra = set(extra)
+        feed = Signature.of(self.proto).feeds(tokens)
+        sides = self._side_names(tail=not only)
+        prefix = self._prefix(sides)
+        values = prefix.run(None, feed)
+        del prefix
+        outputs = dict(zip([self.cuts[0].input_name, *sides], values, strict=True))
+        self.side = {n: outputs[n] for n in sides}
+        attention_inputs = {b.ffn_input.name: b.index for b in self.blocks if b.attention}
+        streams = {c.input_name for c in self.cuts} | {c.output_name for c in self.cuts}
+        unknown = extra - streams - set(attention_inputs) - set(sides)
+        if unknown:
+            raise UserError(f"a streaming capture keeps block streams only, not {sorted(unknown)[0]!r}")
+        last = len(self.cuts) - 1
+        if only:
+            needed = [k for k, c in enumerate(self.cuts) if {c.input_name, c.output_name} & extra]
+            needed += [attention_inputs[n] for n in extra & set(attention_inputs)]
+            last = max(needed, default=-1)
+        x = outputs[self.cuts[0].input_name]
+        for k in range(last + 1):
+            block = self.blocks[k]
+            if block.attention and block.ffn_input.name in extra:
+                outputs[block.ffn_input.name] = self.run_attention(k, x)
+            x = outputs[self.cuts[k].output_name] = self.run_block(k, x)
+        self._sessions.clear()
+        self._attention.clear()
+        self.logits = None if only else self._run_tail(x)
+        outputs.update(feed)
+        return outputs
+
+    def _run_tail(self, stream: np.ndarray) -> np.ndarray:
+        side, proto = self._tail_cut()
+        tail = session(proto, self.path.parent, self.threads, prepack=False)
+        feed = {self.cuts[-1].output_name: stream, **{n: self.side[n] for n in side}}
+        return np.array(tail.run(None, feed)[0])
+
+    def capture(
+        self, tokens: np.ndarray, extra: Iterable[str] = (), only: bool = False
+    ) -> dict[str, np.ndarray]:
+        """Run the whole model once; keep logits, every block's input/output, all side tensors and the
+        `extra` values (e.g. the stream entering a block's FFN, after its attention). With `only`, keep
+        just the side tensors and `extra` (no logits): ONNX Runtime then skips the blocks after the last
+        value asked for, and the lm_head. Streaming runners never hold the whole model: they run the prefix,
+        each block and the tail (final norm and lm_head) one after the other."""
+        if self.streaming:
+            return self._capture_streaming(tokens, extra, only)
+        proto = self.proto
+        fill_stream_types(proto, [*self._stream_names(), *extra])
+        types = value_types(proto)
+        feed = Signature.of(proto).feeds(tokens)
+        saved = list(proto.graph.output)
+        existing = [] if only else [o.name for o in saved]
+        names = set(extra) | {n for c in self.cuts for n in c.side_inputs}
+        if not only:
+            names |= {c.input_name for c in self.cuts} | {c.output_name for c in self.cuts}
+        wanted = sorted(names - set(feed) - set(existing))
+        if only:
+            del proto.graph.output[:]
+        proto.graph.output.extend(types[n] for n in wanted)  # temporarily: the proto holds the weights
+        try:
+            sess = session(proto, self.path.parent, self.threads)
+        finally:
+            del proto.graph.output[:]
+            proto.graph.output.extend(saved)
+        values = sess.run(None, feed)
+        del sess
+        outputs = dict(zip(existing + wanted, values, strict=True))
+        outputs.update(feed)
+        self.side = {n: outputs[n] for c in self.cuts for n in c.side_inputs}
+        self.logits = None if only else outputs[existing[0]]
+        return outputs
+
+    def close(self) -> None:
+        """Drop the sessions and subgraphs (their weights) once the analysis is done."""
+        self._sessions.clear()
+        self._attention.clear()
+        self.cuts = []
+        self.proto = onnx.ModelProto()
+        self._tail = None
+
+    def run_attention(self, k: int, stream: np.ndarray) -> np.ndarray:
+        """The stream entering block k's FFN (after its attention sub-block) for block input `stream`."""
+        if k not in self._attention:
+            block = self.blocks[k]
+            start, end = block.block_input.name, block.ffn_input.name
+            side = NameGraph(self.proto).block_side_inputs(start, end)
+            fill_stream_types(self.proto, [*self._stream_names(), end])
+            sub = onnx.utils.Extractor(self.proto).extract_model([start, *side], [end])
+            if self.streaming:  # release the loaded block first
+                self._sessions.clear()
+                self._attention.clear()
+            self._attention[k] = (side, session(sub, self.path.parent, self.threads))
+        side, sess = self._attention[k]
+        feed = {self.cuts[k].input_name: stream, **{n: self.side[n] for n in side}}
+        return np.array(sess.run(None, feed)[0])  # a copy: see run_block
+
+    def run_block(self, k: int, stream: np.ndarray) -> np.ndarray:
+        """Block k's output stream for input `stream` (side tensors from the last capture)."""
+        if self.streaming and self.large_ffn_bytes is not None:
+            block = self.blocks[k]
+            if ffn_weight_bytes(block) > self.large_ffn_bytes:
+                # A fused group's block can hold a whole group of weights: evaluate its FFN in float64
+                # from its weights a row block at a time (passes/reference.py) instead of loading them.
+                x = self.run_attention(k, stream) if block.attention else stream
+                return parallel_sum(x, [block], "last").astype(stream.dtype)
+        cut = self.cuts[k]
+        feed = {cut.input_name: stream, **{n: self.side[n] for n in cut.side_inputs}}
+        # A copy: ONNX Runtime's output array keeps the memory of the run it came from (the session's arena)
+        # alive after the session is released; the analysis keeps every block's streams.
+        return np.array(self.block_session(k).run(None, feed)[0])
+
+
+def model_logits(model_path: str | Path, tokens: np.ndarray, threads: int = 0) -> np.ndarray:
+    """The model's first output (logits) on `tokens`: one whole-model session, or above STREAMING_BYTES of
+    weights block by block (BlockRunner streaming), so that a model larger than RAM is never loaded whole."""
+    path = Path(model_path)
+    proto = load_proto(path)
+    if weight_bytes(ir.serde.deserialize_model(proto)) <= STREAMING_BYTES:  # sizes only: no data is read
+        return session(proto, path.parent, threads).run(None, Signature.of(proto).feeds(tokens))[0]
+    # A fused model's block may hold a whole group's weights: above LARGE_FFN_BYTES, the row-block reference.
+    runner = BlockRunner(path, threads, streaming=True, large_ffn_bytes=LARGE_FFN_BYTES)
+    runner.capture(tokens)
+    return runner.logits

@@ -1,0 +1,79 @@
+"""The records of a heal: its configuration, each group's errors and the whole result, which the healed
+model carries as metadata under HEAL_METADATA_KEY."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from passes.errors import UserError
+from passes.plan import Plan
+
+HEAL_METADATA_KEY = "ffn_fusion.heal"
+INPUT_MODES = ("healed", "original")
+LOSSES = ("mse", "token")
+
+
+@dataclass(frozen=True)
+class HealConfig:
+    steps: int = 0  # Adam steps on all weights before the refit; measured: no gain over the refit alone
+    lr: float = 3e-4
+    batch_tokens: int = 1024  # tokens per Adam step (sampled from the calibration tokens)
+    inputs: str = "healed"
+    loss: str = "mse"  # "mse": squared error over all tokens; "token": each token's error over its target
+    seed: int = 0
+    ridge: float = 0.1  # closed-form refit of the down projection after Adam (0: none), see fit.refit_down
+
+    def check(self) -> None:
+        if self.steps < 0 or self.batch_tokens < 1 or not self.lr > 0:
+            raise UserError("--steps must be >= 0, --batch-tokens >= 1 and --lr > 0")
+        if self.inputs not in INPUT_MODES or self.loss not in LOSSES:
+            raise UserError(f"--inputs must be one of {INPUT_MODES}, --loss one of {LOSSES}")
+
+
+DEFAULT_CONFIG = HealConfig()  # frozen: one default shared by heal() and run_heal()
+
+
+@dataclass
+class GroupHeal:
+    group: tuple[int, int]
+    width: int
+    calib_before: float
+    calib_after: float
+    heldout_before: float
+    heldout_after: float
+    seconds: float
+    norm_weight: str  # "norm weight" (fitted) or "fixed" (fold: its scale lies in the gate/up rows)
+
+    def line(self) -> str:
+        i, j = self.group
+        return (
+            f"group [{i}, {j}] (width {self.width}): relative squared error calibration "
+            f"{self.calib_before:.4f} -> {self.calib_after:.4f}, held-out {self.heldout_before:.4f} -> "
+            f"{self.heldout_after:.4f} ({self.seconds:.1f} s)"
+        )
+
+
+@dataclass
+class HealResult:
+    output: Path | None
+    plan: Plan
+    config: HealConfig
+    groups: list[GroupHeal] = field(default_factory=list)
+    calib_tokens: int = 0
+    heldout_tokens: int = 0
+    calib_source: str = ""
+    nodes: int = 0
+    seconds: float = 0.0
+
+    def metadata(self) -> dict:
+        return {
+            "config": asdict(self.config),
+            "calibration": self.calib_source,
+            "calib_tokens": self.calib_tokens,
+            "heldout_tokens": self.heldout_tokens,
+            "groups": [
+                {k: (list(v) if k == "group" else v) for k, v in asdict(g).items() if k != "seconds"}
+                for g in self.groups
+            ],
+        }

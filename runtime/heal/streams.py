@@ -1,0 +1,68 @@
+"""The original model's residual streams on calibration and held-out windows: captured with ONNX Runtime
+(BlockRunner) a chunk of windows at a time, and the original blocks run on other streams (the model
+healed so far)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from passes.analysis.runner import BlockRunner
+from runtime.heal.pair import HealPair
+
+CHUNK_WINDOWS = 8  # windows per whole-model capture run (bounds the logits held at once)
+
+
+@dataclass
+class Chunk:
+    """Some token windows: the side tensors of their capture and the streams kept from it."""
+
+    tokens: np.ndarray
+    side: dict[str, np.ndarray]
+    streams: dict[str, np.ndarray]
+    held_out: bool
+
+
+class Streams:
+    """The original model's streams on calibration and held-out windows, captured chunk by chunk."""
+
+    def __init__(self, runner: BlockRunner, pair: HealPair, calib: np.ndarray, heldout: np.ndarray):
+        self.runner, self.pair = runner, pair
+        blocks = pair.original_blocks
+        self.keep = {blocks[i].ffn_input.name for i, _ in pair.plan.groups}
+        # the stream leaving a group: the cut's name (a Skip*Normalization graph's last block has no
+        # named residual sum; BlockRunner names it)
+        self.keep |= {runner.cuts[j].output_name for _, j in pair.plan.groups}
+        self.keep |= {blocks[i].block_input.name for i, _ in pair.plan.groups}
+        self.chunks = [self._capture(t, False) for t in split_windows(calib)]
+        self.chunks += [self._capture(t, True) for t in split_windows(heldout)]
+
+    def _capture(self, tokens: np.ndarray, held_out: bool) -> Chunk:
+        captured = self.runner.capture(tokens, extra=sorted(self.keep), only=True)
+        return Chunk(tokens, dict(self.runner.side), {n: captured[n] for n in self.keep}, held_out)
+
+    def run_blocks(self, chunk: Chunk, stream: np.ndarray, start: int, stop: int) -> np.ndarray:
+        """Original blocks start..stop-1 on `stream`, with the chunk's side tensors."""
+        self.runner.side = chunk.side
+        for k in range(start, stop):
+            stream = self.runner.run_block(k, stream)
+        return stream
+
+    def ffn_input(self, chunk: Chunk, block: int, stream: np.ndarray) -> np.ndarray:
+        """The stream entering block `block`'s FFN when `stream` enters the block."""
+        if not self.pair.original_blocks[block].attention:
+            return stream
+        self.runner.side = chunk.side
+        return self.runner.run_attention(block, stream)
+
+
+def split_windows(tokens: np.ndarray) -> list[np.ndarray]:
+    """Token windows [n, length] in chunks of CHUNK_WINDOWS, one capture run each."""
+    return [tokens[s : s + CHUNK_WINDOWS] for s in range(0, len(tokens), CHUNK_WINDOWS)]
+
+
+def token_rows(arrays: Sequence[np.ndarray]) -> np.ndarray:
+    """Streams [..., hidden] as one float32 matrix of token rows."""
+    return np.concatenate([a.reshape(-1, a.shape[-1]) for a in arrays]).astype(np.float32)

@@ -1,0 +1,58 @@
+"""How the serving tests talk to a server: the official `openai` client, completions (whole or streamed),
+OpenAI error JSON, and tools/serve.py started as a user starts it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+
+from runtime.serve.server import ServerThread
+from runtime.tp.gloo import free_port
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def client(server: ServerThread) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def complete(api: openai.OpenAI, prompt, max_tokens: int = 8, **kw) -> openai.types.Completion:
+    return api.completions.create(
+        model="tiny_decode", prompt=prompt, max_tokens=max_tokens, temperature=0, **kw
+    )
+
+
+def streamed(api: openai.OpenAI, prompt, max_tokens: int = 8, **kw) -> tuple[str, str, list]:
+    chunks = list(complete(api, prompt, max_tokens, stream=True, **kw))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    return text, reasons[-1], chunks
+
+
+def error_of(response: httpx.Response) -> dict:
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+def start_cli(*args: str) -> tuple[subprocess.Popen, str, list[str]]:
+    """tools/serve.py as a user starts it, once /health answers 200: (process, base URL, command)."""
+    port = free_port()
+    command = [sys.executable, str(ROOT / "tools" / "serve.py"), *args, "--port", str(port)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.communicate()
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return process, url, command
+        except httpx.TransportError:
+            time.sleep(0.2)
+    process.kill()
+    raise AssertionError(f"{command} did not become healthy")
