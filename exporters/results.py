@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from passes.runs import attention_free_runs
+
 
 @dataclass
 class ExportResult:
@@ -20,6 +22,4 @@ class ExportResult:
 
     @property
     def attention_free_runs(self) -> list[tuple[int, int]]:
-        from passes.blocks import attention_free_runs  # imports onnx_ir: on use, not with this module
-
         return attention_free_runs(self.attention)

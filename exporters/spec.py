@@ -15,17 +15,6 @@ from typing import Any
 
 from passes.errors import UserError
 
-
-def __getattr__(name: str) -> Any:
-    """attention_free_runs, re-exported from passes.blocks (part of the spec API) on first use: passes.blocks
-    imports onnx_ir (~1.5 s), which `export_model.py --hf` does not wait for before it starts copying."""
-    if name == "attention_free_runs":
-        from passes.blocks import attention_free_runs
-
-        return attention_free_runs
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 # The paper's rounding granularity for FFN widths (docs/design.md §6: ceil256).
 PAPER_FFN_GRANULARITY = 256
 # Used by `super49b_spec` below this hidden size, so that small models keep distinct, small widths.
@@ -151,10 +140,6 @@ def save_spec(spec: ModelSpec, path: str | os.PathLike) -> None:
         json.dump(spec.to_dict(), f, indent=1)
         f.write("\n")
 
-
-def format_runs(runs: list[tuple[int, int]]) -> str:
-    """'6-7, 11, 42-51' style text; 'none' when empty."""
-    return ", ".join(f"{i}" if i == j else f"{i}-{j}" for i, j in runs) or "none"
 
 
 def ffn_width(ffn_mult: float, hidden: int, granularity: int = PAPER_FFN_GRANULARITY) -> int:

@@ -83,15 +83,3 @@ class Block:
             "layer": self.layer_name,
         }
 
-
-def attention_free_runs(attention: list[bool]) -> list[tuple[int, int]]:
-    """Maximal runs [i, j] (inclusive) of consecutive blocks without attention, from per-block flags."""
-    runs: list[tuple[int, int]] = []
-    for index, has_attention in enumerate(attention):
-        if has_attention:
-            continue
-        if runs and runs[-1][1] == index - 1:
-            runs[-1] = (runs[-1][0], index)
-        else:
-            runs.append((index, index))
-    return runs

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from passes.blocks import Block, attention_free_runs
+from passes.blocks import Block
+from passes.runs import attention_free_runs
 
 
 def stream_map(blocks: list[Block]) -> str:
@@ -15,7 +16,7 @@ def _mark(block: Block) -> str:
     return "A" if block.attention else "L" if block.barrier is not None else "-"
 
 
-def format_runs(blocks: list[Block]) -> str:
+def _fusable_runs(blocks: list[Block]) -> str:
     runs = attention_free_runs([b.fusion_barrier for b in blocks])
     runs = [f"{i}-{j} ({j - i + 1} blocks)" for i, j in runs if j > i]
     return ", ".join(runs) if runs else "none"
@@ -29,5 +30,5 @@ def format_block_table(blocks: list[Block]) -> str:
             f"{b.norm.kind:<13}  {b.layer_name or ''}"
         )
     lines.append(f"stream: {stream_map(blocks)}")
-    lines.append(f"attention-free runs: {format_runs(blocks)}")
+    lines.append(f"attention-free runs: {_fusable_runs(blocks)}")
     return "\n".join(lines)

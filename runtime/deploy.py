@@ -23,7 +23,8 @@ from passes.errors import UserError
 from passes.graph_inputs import Signature
 from passes.io.model_io import load_model, save_model
 from passes.model_map import find_blocks, vocab_size
-from passes.quant.fp8 import ActivationScales, calibrate, quantize_fp8, tokens_sha256
+from passes.quant.calibrate import ActivationScales, calibrate, tokens_sha256
+from passes.quant.fp8 import quantize_fp8
 from passes.shard import rank_onnx_files, shard_model
 from runtime import text_sets as text
 

@@ -98,7 +98,7 @@ def _session(path: str):
 
     options = ort.SessionOptions()
     options.log_severity_level = 3
-    from passes.quant.fp8 import ORT_DISABLED_OPTIMIZERS
+    from passes.io.sessions import ORT_DISABLED_OPTIMIZERS
 
     return ort.InferenceSession(
         path, options, providers=["CPUExecutionProvider"], disabled_optimizers=ORT_DISABLED_OPTIMIZERS

@@ -19,6 +19,7 @@ from exporters import spec
 from exporters.hf import checkpoint as hf_checkpoint
 from exporters.spec import ModelSpec
 from passes.errors import UserError, run_cli
+from passes.runs import attention_free_runs, format_runs
 
 SPEC_HELP = """\
 spec.json: {"hidden": 64, "heads": 8, "kv_heads": 1, "vocab": 256,
@@ -123,11 +124,10 @@ def export_hf_folder(args: argparse.Namespace) -> int:
     print(f"  beside it: {', '.join(p.name for p in result.side_files)}")
     print(f"  model: {config.architecture} ({config.model_type}) from {args.hf}")
     print(f"  blocks: {len(config.layers)}, with attention: {sum(config.attention_flags)}")
-    # spec.attention_free_runs imports onnx_ir (seconds) on first use: here, after the weight copy
-    print(f"  attention-free runs: {spec.format_runs(spec.attention_free_runs(config.attention_flags))}")
+    print(f"  attention-free runs: {format_runs(attention_free_runs(config.attention_flags))}")
     if args.decode:
         cached = [i not in result.cache_layers for i in range(len(config.layers))]  # runs of cached layers
-        print(f"  decode graph: KV cache for layers {spec.format_runs(spec.attention_free_runs(cached))}")
+        print(f"  decode graph: KV cache for layers {format_runs(attention_free_runs(cached))}")
     print(f"  parameters: {result.parameters:,}")
     print(f"  time: graph {result.trace_seconds:.1f} s, weights {result.write_seconds:.1f} s")
     return 0
@@ -148,7 +148,7 @@ def export_graph(args: argparse.Namespace, blocks: list[int], model_spec: ModelS
     print(f"wrote {files} ({result.bytes / 2**20:.1f} MiB, opset {result.opset}, {result.seconds:.1f} s)")
     print(f"  model: {name}")
     print(f"  blocks: {len(result.attention)}, with attention: {sum(result.attention)}")
-    print(f"  attention-free runs: {spec.format_runs(result.attention_free_runs)}")
+    print(f"  attention-free runs: {format_runs(result.attention_free_runs)}")
     print(f"  parameters: {result.parameters:,}")
     return 0
 
@@ -165,8 +165,8 @@ def export_decode_graph(args: argparse.Namespace, blocks: list[int], model_spec:
     files = " + ".join(str(f) for f in result.files)
     print(f"wrote {files} ({result.bytes / 2**20:.1f} MiB, {result.seconds:.1f} s)")
     cached = set(result.cache_layers)
-    runs = spec.attention_free_runs([i not in cached for i in range(max(cached, default=-1) + 1)])
-    print(f"  KV cache for {len(cached)} attention blocks: {spec.format_runs(runs)}")
+    runs = attention_free_runs([i not in cached for i in range(max(cached, default=-1) + 1)])
+    print(f"  KV cache for {len(cached)} attention blocks: {format_runs(runs)}")
     return 0
 
 

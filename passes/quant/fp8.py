@@ -37,30 +37,17 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from passes.errors import PassInputError, UserError
 from passes.graph import graph_values
-from passes.io.sessions import ORT_DISABLED_OPTIMIZERS
 from passes.io.stream_concat import read_columns, read_rows
 from passes.patterns.linear import Linear, find_linears
-from passes.quant.calibrate import (  # calibrate, ActivationScales, ... re-exported: callers import them here
-    FP8_MAX,
-    ActivationScales,
-    calibrate,
-    scale_from_amax,
-    tokens_sha256,
-)
+from passes.quant.calibrate import FP8_MAX, ActivationScales
 from passes.quant.opset import raise_opset, schema_violation
 
 __all__ = [
-    "FP8_MAX",
     "MIN_FP8_OPSET",
-    "ORT_DISABLED_OPTIMIZERS",
     "TARGET_OPSET",
-    "ActivationScales",
     "QuantReport",
     "QuantizeFP8",
-    "calibrate",
     "quantize_fp8",
-    "scale_from_amax",
-    "tokens_sha256",
 ]
 
 MIN_FP8_OPSET = 19

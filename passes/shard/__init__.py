@@ -23,11 +23,11 @@ per-tensor scales are replicated. The Reshape/Expand shape constants that encode
 rewritten per rank (passes.shard.dims works out which). Weights are sliced lazily from the memory-mapped
 source while each rank's model is saved, one tensor at a time.
 
-This module is the public API; the work is split into passes.shard.graph (roles), shard_plan (which
-heads/columns each rank keeps), shard_dims (the rank world), shard_rewrite (one rank graph),
-shard_pass (ShardRank: that rewrite as an onnx-ir pass, rank r of N a parameter, since a PassManager
-carries one model and sharding makes N), shard_collectives (DistCollective, counting) and shard_files
-(rank files, tp.json).
+This package's __init__ is its public API; the work is split into graph.py (roles), plan.py (which
+heads/columns each rank keeps), dims.py (the rank world), rewrite.py (one rank graph), rank_pass.py
+(ShardRank: that rewrite as an onnx-ir pass, rank r of N a parameter, since a PassManager carries one
+model and sharding makes N), collectives.py (DistCollective, counting) and files.py (rank files,
+tp.json).
 """
 
 from __future__ import annotations

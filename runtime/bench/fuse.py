@@ -36,7 +36,8 @@ from pathlib import Path
 from passes.io.data_files import data_files
 from passes.io.model_io import load_model, save_model
 from passes.patterns.linear import find_linears
-from passes.quant.fp8 import ActivationScales, quantize_fp8
+from passes.quant.calibrate import ActivationScales
+from passes.quant.fp8 import quantize_fp8
 from runtime.bench.peak_memory import Measured, measure, timed_copy
 
 ROOT = Path(__file__).resolve().parents[2]

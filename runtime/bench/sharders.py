@@ -22,7 +22,8 @@ from passes.io.sessions import open_session
 from passes.metrics import max_abs_relative_error
 from passes.pipeline import fuse_file
 from passes.plan import Plan
-from passes.quant.fp8 import calibrate, quantize_fp8
+from passes.quant.calibrate import calibrate
+from passes.quant.fp8 import quantize_fp8
 from passes.shard import count_allreduces
 from runtime.bench.peak_memory import Measured, measure
 from runtime.tp.ort import run_simulated

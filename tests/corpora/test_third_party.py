@@ -377,7 +377,8 @@ def test_fp8_engine_refused_in_one_line(tool, fused, corpus_hf, tmp_path, name):
     assert all(line.startswith("[build_engines] ") for line in result.stderr.strip().splitlines()[:-1])
     if name != INT4:  # FP8 itself works there (in ONNX Runtime); only TensorRT cannot take the graph
         from passes.io.model_io import load_model, save_model
-        from passes.quant.fp8 import calibrate, quantize_fp8
+        from passes.quant.calibrate import calibrate
+        from passes.quant.fp8 import quantize_fp8
         from runtime.deploy import with_side_inputs
 
         batches = with_side_inputs([np.load(calibration_ids(corpus_hf, tmp_path))], path)

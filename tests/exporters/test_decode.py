@@ -169,7 +169,8 @@ def test_fp8_decode_graph_keeps_cache_semantics(models, tmp_path):
     """FP8 Q/DQ (static per-tensor scales) on a decode graph: decode from the cache still equals a full
     re-run of the same FP8 graph, and stays close to fp32."""
     from passes.io.model_io import save_model
-    from passes.quant.fp8 import calibrate, quantize_fp8
+    from passes.quant.calibrate import calibrate
+    from passes.quant.fp8 import quantize_fp8
 
     path = models("decode_fused")
     ids = tokens(2, 9, seed=6)

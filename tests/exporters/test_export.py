@@ -19,7 +19,6 @@ from exporters.onnx_export import export_onnx, export_spec_model
 from exporters.spec import (
     BlockSpec,
     ModelSpec,
-    attention_free_runs,
     ffn_width,
     load_spec,
     save_spec,
@@ -27,6 +26,7 @@ from exporters.spec import (
     super49b_spec,
 )
 from passes.errors import UserError
+from passes.runs import attention_free_runs
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "The capital of France is"

@@ -13,7 +13,8 @@ from passes.errors import INTERNAL_ERROR_STATUS, PassInputError, UserError, run_
 from passes.fuse import PLAN_METADATA_KEY, FuseFFNGroups
 from passes.io.model_io import load_model, save_model
 from passes.plan import Plan
-from passes.quant.fp8 import QuantizeFP8, calibrate
+from passes.quant.calibrate import calibrate
+from passes.quant.fp8 import QuantizeFP8
 from passes.shard import COLLECTIVE_OP, ShardRank, count_allreduces, shard_file
 from runtime.bench.sharders import SMALL_GROUPS
 from runtime.tp.ort import run_simulated

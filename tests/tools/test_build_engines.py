@@ -98,7 +98,7 @@ def test_calibration_from_npy_ids(tmp_path, tmp_path_factory, capsys):
     err = capsys.readouterr().err
     assert code == 0 and "calibrating tiny_llama.onnx on 192 tokens" in err
     assert "quantized 15 linear layers" in err and "skipped: none" in err
-    from passes.quant.fp8 import tokens_sha256
+    from passes.quant.calibrate import tokens_sha256
 
     saved = json.loads(scales.read_text())
     assert saved["calibration_tokens_sha256"] == tokens_sha256([ids[0:4], ids[4:6]])

@@ -559,7 +559,8 @@ def test_fuse_fp8_and_shard(kind, nemotron_fp32, shardable_nemotron, llama_dropp
     from passes.metrics import max_abs_relative_error
     from passes.pipeline import fuse_file
     from passes.plan import parse_plan
-    from passes.quant.fp8 import calibrate, quantize_fp8
+    from passes.quant.calibrate import calibrate
+    from passes.quant.fp8 import quantize_fp8
     from passes.shard import shard_file
     from runtime.tp.ort import run_simulated
 

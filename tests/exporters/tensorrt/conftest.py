@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from passes.io.model_io import load_model, save_model
-from passes.quant.fp8 import calibrate, quantize_fp8
+from passes.quant.calibrate import calibrate
+from passes.quant.fp8 import quantize_fp8
 from tests import fp8_fixtures as fx
 
 

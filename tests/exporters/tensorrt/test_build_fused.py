@@ -12,7 +12,8 @@ from exporters.tensorrt import build as te
 from passes.io.model_io import load_model, save_model
 from passes.pipeline import fuse_file
 from passes.plan import Plan
-from passes.quant.fp8 import calibrate, quantize_fp8
+from passes.quant.calibrate import calibrate
+from passes.quant.fp8 import quantize_fp8
 
 
 def test_fused_fp8_model_builds_an_engine(tmp_path):

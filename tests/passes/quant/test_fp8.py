@@ -15,16 +15,10 @@ from onnx import TensorProto, helper, numpy_helper
 
 from passes.errors import UserError
 from passes.io.model_io import load_model, save_model
+from passes.io.sessions import ORT_DISABLED_OPTIMIZERS
 from passes.patterns.linear import find_linears
-from passes.quant.calibrate import _AbsStats
-from passes.quant.fp8 import (
-    FP8_MAX,
-    ORT_DISABLED_OPTIMIZERS,
-    ActivationScales,
-    calibrate,
-    quantize_fp8,
-    tokens_sha256,
-)
+from passes.quant.calibrate import FP8_MAX, ActivationScales, _AbsStats, calibrate, tokens_sha256
+from passes.quant.fp8 import quantize_fp8
 from tests import fp8_fixtures as fx
 
 MODEL_KINDS = ["tiny_llama", "wide_ffn"]  # add a fused-model kind here once fx.MODELS has one

@@ -18,7 +18,9 @@ from exporters.spec import BlockSpec, ModelSpec
 from exporters.synthetic import SyntheticSpec, build_synthetic
 from passes.errors import UserError
 from passes.io.model_io import load_model, load_proto, save_model
-from passes.quant.fp8 import MIN_FP8_OPSET, ORT_DISABLED_OPTIMIZERS, calibrate, quantize_fp8
+from passes.io.sessions import ORT_DISABLED_OPTIMIZERS
+from passes.quant.calibrate import calibrate
+from passes.quant.fp8 import MIN_FP8_OPSET, quantize_fp8
 from passes.quant.opset import raise_opset
 
 SPEC = ModelSpec(

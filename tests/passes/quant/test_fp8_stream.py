@@ -10,7 +10,8 @@ import onnx_ir as ir
 import pytest
 
 import passes.quant.fp8
-from passes.quant.fp8 import FP8_MAX, _channel_scales, _FP8Weight
+from passes.quant.calibrate import FP8_MAX
+from passes.quant.fp8 import _channel_scales, _FP8Weight
 
 
 def _external(array: np.ndarray, folder) -> ir.ExternalTensor:

@@ -286,7 +286,8 @@ def decode_models(tmp_path_factory: pytest.TempPathFactory):
         if name != "decode_fused_fp8":
             return decode_fixtures.decode_models(base, name)
         from passes.io.model_io import load_model, save_model
-        from passes.quant.fp8 import calibrate, quantize_fp8
+        from passes.quant.calibrate import calibrate
+        from passes.quant.fp8 import quantize_fp8
 
         path = base / "tp_models" / "tiny_decode_fused_fp8.onnx"
         if not path.exists():

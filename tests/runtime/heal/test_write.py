@@ -14,7 +14,9 @@ from onnx import numpy_helper
 
 import runtime.heal.distill
 from passes.io.model_io import load_model, save_model
-from passes.quant.fp8 import ORT_DISABLED_OPTIMIZERS, calibrate, quantize_fp8
+from passes.io.sessions import ORT_DISABLED_OPTIMIZERS
+from passes.quant.calibrate import calibrate
+from passes.quant.fp8 import quantize_fp8
 from runtime.heal.distill import heal
 from runtime.heal.records import HEAL_METADATA_KEY, HealConfig
 from runtime.text_sets import windows
