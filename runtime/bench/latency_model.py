@@ -6,6 +6,9 @@ Per GPU and per token (docs/latency_model.md has the formulas):
 - decode attention reads the KV cache of `context` tokens for the rank's KV heads (same roofline);
 - one all-reduce after each attention o_proj and after each FFN down_proj: latency + bytes / bandwidth;
   a fused group of k FFNs is one FFN, so it drops k - 1 all-reduces;
+- a parallel group of k whole blocks (paper section 6) reads the same weights and KV cache but is one
+  sequential step: one all-reduce for its k attention outputs (stacked, k times the bytes), one for the
+  sum of its k FFN outputs, and one kernel sequence per sub-block kind (heads side by side, FFNs batched);
 - a launch cost per non-collective kernel, and a calibrated fixed overhead per layer (block).
 
 All constants live in runtime/bench/latency_constants.py with their sources. The two calibrated constants
@@ -38,6 +41,23 @@ class LayerShape:
     attention: bool
     ffn_width: int
     kv_heads: int | None = None
+
+
+@dataclass(frozen=True)
+class ParallelGroup:
+    """Whole blocks that run side by side (paper section 6): each reads the group's input stream, the group
+    adds up their residual contributions. Every member has attention and an FFN."""
+
+    blocks: tuple[LayerShape, ...]
+
+
+@dataclass(frozen=True)
+class ParallelStep:
+    """One row of the paper's section-6 table: the parallel groups in use and the quality it measured."""
+
+    groups: tuple[tuple[int, int], ...]
+    mmlu: float
+    mt_bench: float
 
 
 @dataclass(frozen=True)
@@ -106,6 +126,8 @@ class PaperModel:
     groups: tuple[tuple[int, int], ...] = ()
     paper: dict[str, float] = field(default_factory=dict)
     assumptions: tuple[str, ...] = ()
+    parallel: tuple[tuple[int, int], ...] = ()  # whole-block groups run side by side, beside `groups`
+    parallel_series: tuple[ParallelStep, ...] = ()  # the paper's section-6 rows, where it has them
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -158,7 +180,7 @@ def allreduce_s(message_bytes: float, hw: Hardware) -> float:
 
 
 def predict_decode(
-    blocks: Sequence[LayerShape],
+    blocks: Sequence[LayerShape | ParallelGroup],
     hidden: int,
     vocab: int,
     heads: int,
@@ -192,14 +214,23 @@ def predict_decode(
     )
     out = Breakdown(batch=batch)
     for block in blocks:
-        if not (block.attention or block.ffn_width > 0):
+        members = block.blocks if isinstance(block, ParallelGroup) else (block,)
+        attention = [b for b in members if b.attention]
+        ffns = [b for b in members if b.ffn_width > 0]
+        if not (attention or ffns):
             continue  # a no-op block is no layer
-        out.n_layers += 1
+        out.n_layers += 1  # one sequential step, however many blocks run side by side in it
         out.overhead_s += hw.layer_overhead
-        if block.attention:
-            _add_attention(out, step, block.kv_heads or kv_heads)
-        if block.ffn_width > 0:
-            _add_ffn(out, step, block.ffn_width)
+        if attention:
+            for b in attention:
+                _add_attention(out, step, b.kv_heads or kv_heads)
+            step.allreduce(out, stacked=len(attention))  # the k attention outputs travel together
+            _add_kernels(out, int(value("kernels.attention")), step.hw)
+        if ffns:
+            for b in ffns:
+                _add_ffn(out, step, b.ffn_width)
+            step.allreduce(out)  # the FFN outputs are summed before they travel
+            _add_kernels(out, int(value("kernels.ffn")), step.hw)
     _add_head(out, step, vocab)
     return out
 
@@ -223,12 +254,13 @@ class _Step:
         out.gemm_s += gemm_s(self.batch, k, n, self.hw, self.weight_bytes, self.act_bytes)
         out.weight_bytes_per_gpu += k * n * self.weight_bytes
 
-    def allreduce(self, out: Breakdown) -> None:
-        out.allreduce_s += allreduce_s(self.batch * self.hidden * self.act_bytes, self.hw)
+    def allreduce(self, out: Breakdown, stacked: int = 1) -> None:
+        out.allreduce_s += allreduce_s(stacked * self.batch * self.hidden * self.act_bytes, self.hw)
         out.n_allreduce += 1
 
 
 def _add_attention(out: Breakdown, step: _Step, kv_heads: int) -> None:
+    """One attention sub-block's GEMMs and KV-cache reads (its all-reduce and kernels: predict_decode)."""
     q_heads = step.heads // step.tp
     kv_local = max(1, math.ceil(kv_heads / step.tp))  # fewer KV heads than ranks: replicated
     step.gemm(out, step.hidden, (q_heads + 2 * kv_local) * step.head_dim)  # QKV
@@ -236,16 +268,12 @@ def _add_attention(out: Breakdown, step: _Step, kv_heads: int) -> None:
     kv_read = 2 * step.batch * step.context * kv_local * step.head_dim * step.kv_bytes
     attn_flops = 4.0 * step.batch * q_heads * step.context * step.head_dim
     out.attention_s += roofline_s(kv_read, attn_flops, step.hw)
-    step.allreduce(out)
-    _add_kernels(out, int(value("kernels.attention")), step.hw)
 
 
 def _add_ffn(out: Breakdown, step: _Step, width: int) -> None:
     local = math.ceil(width / step.tp)
     step.gemm(out, step.hidden, 2 * local)  # gate + up
     step.gemm(out, local, step.hidden)  # down
-    step.allreduce(out)
-    _add_kernels(out, int(value("kernels.ffn")), step.hw)
 
 
 def _add_head(out: Breakdown, step: _Step, vocab: int) -> None:
@@ -265,30 +293,50 @@ def _add_kernels(out: Breakdown, n: int, hw: Hardware) -> None:
 # Fusion and model descriptions
 
 
-def fuse_blocks(blocks: Sequence[LayerShape], groups: Sequence[Sequence[int]]) -> list[LayerShape]:
-    """Block table after fusing each [i, j]: one block with block i's attention and the summed FFN width."""
-    ordered = sorted((int(i), int(j)) for i, j in groups)
-    previous = -1
-    for i, j in ordered:
-        if not 0 <= i < j < len(blocks):
-            raise UserError(f"group [{i}, {j}] is out of range for {len(blocks)} blocks (and needs i < j)")
-        if i <= previous:
-            raise UserError(f"group [{i}, {j}] overlaps the group before it")
+def fuse_blocks(
+    blocks: Sequence[LayerShape], groups: Sequence[Sequence[int]], parallel: Sequence[Sequence[int]] = ()
+) -> list[LayerShape | ParallelGroup]:
+    """Block table after a plan: each FFN group [i, j] becomes one block with block i's attention and the
+    summed FFN width; each parallel group [i, j] becomes one ParallelGroup of its whole blocks."""
+    ffn = sorted((int(i), int(j)) for i, j in groups)
+    whole = sorted((int(i), int(j)) for i, j in parallel)
+    for i, j in ffn:
+        _check_range("group", i, j, len(blocks))
         if any(b.attention for b in blocks[i + 1 : j + 1]):
             raise UserError(f"group [{i}, {j}] has attention inside it (only block {i} may have attention)")
+    for i, j in whole:
+        _check_range("parallel group", i, j, len(blocks))
+        partial = [k for k in range(i, j + 1) if not (blocks[k].attention and blocks[k].ffn_width > 0)]
+        if partial:
+            raise UserError(
+                f"parallel group [{i}, {j}]: block {partial[0]} lacks attention or an FFN "
+                "(a parallel group takes whole blocks only)"
+            )
+    previous = -1
+    for i, j in sorted(ffn + whole):
+        if i <= previous:
+            raise UserError(f"group [{i}, {j}] overlaps the group before it")
         previous = j
-    starts = {i: j for i, j in ordered}
-    out: list[LayerShape] = []
+    ends = {i: (j, "ffn") for i, j in ffn} | {i: (j, "parallel") for i, j in whole}
+    out: list[LayerShape | ParallelGroup] = []
     k = 0
     while k < len(blocks):
-        if k in starts:
-            j = starts[k]
-            out.append(replace(blocks[k], ffn_width=sum(b.ffn_width for b in blocks[k : j + 1])))
-            k = j + 1
-        else:
+        if k not in ends:
             out.append(blocks[k])
             k += 1
+            continue
+        j, kind = ends[k]
+        if kind == "ffn":
+            out.append(replace(blocks[k], ffn_width=sum(b.ffn_width for b in blocks[k : j + 1])))
+        else:
+            out.append(ParallelGroup(tuple(blocks[k : j + 1])))
+        k = j + 1
     return out
+
+
+def _check_range(what: str, i: int, j: int, n: int) -> None:
+    if not 0 <= i < j < n:
+        raise UserError(f"{what} [{i}, {j}] is out of range for {n} blocks (and needs i < j)")
 
 
 def param_count(spec: PaperModel, blocks: Sequence[LayerShape] | None = None) -> int:
@@ -350,15 +398,30 @@ def ultra_253b() -> PaperModel:
         f"blocks outside the fused groups (and block 115): ffn_mult {ULTRA_OTHER_FFN_MULT} -> width {other}, "
         "one value for all, chosen so the total is near 253B",
     )
+    assumptions += (
+        f"parallel groups {', '.join(map(str, ULTRA_PARALLEL))}: two groups of 4 full blocks, as in "
+        "the paper's first Puzzle-49B row (it ran none on Ultra); every full block outside the fused "
+        "groups has one shape here, so the prediction depends on how many groups, not where",
+    )
     paper = {
         "tokens_per_s_before": value("paper.ultra253b.before.tokens_per_s"),
         "tokens_per_s_after": value("paper.ultra253b.after.tokens_per_s"),
         "speedup": value("paper.ultra253b.speedup"),
     }
-    return PaperModel("Ultra-253B", hidden, 128, 8, 128256, blocks, ULTRA_GROUPS, paper, assumptions)
+    return PaperModel(
+        "Ultra-253B", hidden, 128, 8, 128256, blocks, ULTRA_GROUPS, paper, assumptions, ULTRA_PARALLEL
+    )
 
 
+ULTRA_PARALLEL = ((58, 61), (116, 119))
 SUPER_GROUPS = ((42, 50), (53, 69))
+# Paper section 6 on Puzzle-49B (= Super-49B): parallel groups as they were added, MMLU and MT-Bench.
+SUPER_PARALLEL_SERIES = (
+    ParallelStep((), 80.73, 8.87),
+    ParallelStep(((38, 41), (71, 74)), 80.04, 8.67),
+    ParallelStep(((32, 35), (38, 41), (71, 74)), 77.86, 8.20),
+    ParallelStep(((26, 29), (32, 35), (38, 41), (71, 74)), 56.12, 6.62),
+)
 
 
 def super_49b() -> PaperModel:
@@ -373,6 +436,8 @@ def super_49b() -> PaperModel:
         tuple(blocks),
         SUPER_GROUPS,
         assumptions=("docs/design.md §6 block table exactly; 8 KV heads in every attention block",),
+        parallel=SUPER_PARALLEL_SERIES[1].groups,
+        parallel_series=SUPER_PARALLEL_SERIES,
     )
 
 
@@ -388,7 +453,8 @@ def paper_models() -> list[PaperModel]:
 class ModelPrediction:
     spec: PaperModel
     before: Breakdown
-    after: Breakdown
+    after: Breakdown  # FFN fusion (spec.groups)
+    parallel: Breakdown | None = None  # FFN fusion and block parallelization (spec.parallel too)
 
     @property
     def speedup(self) -> float:
@@ -409,7 +475,13 @@ def predict_model(
 ) -> ModelPrediction:
     options = {"tp": tp, "batch": batch, "context": context, "weight_bytes": weight_bytes}
     fused = fuse_blocks(spec.blocks, spec.groups)
-    return ModelPrediction(spec, predict_spec(spec, hw, **options), predict_spec(spec, hw, fused, **options))
+    both = fuse_blocks(spec.blocks, spec.groups, spec.parallel) if spec.parallel else None
+    return ModelPrediction(
+        spec,
+        predict_spec(spec, hw, **options),
+        predict_spec(spec, hw, fused, **options),
+        None if both is None else predict_spec(spec, hw, both, **options),
+    )
 
 
 @dataclass(frozen=True)
@@ -517,10 +589,43 @@ def report(gpu: str = "h100", batch: int = 1, context: int = 1024, tp: int = 8) 
             "breakdown_after": p.after.as_dict(),
             "assumptions": list(spec.assumptions),
         }
+        if p.parallel is not None:
+            entry |= {
+                "parallel_blocks": [list(g) for g in spec.parallel],
+                "tokens_per_s_parallel": p.parallel.tokens_per_s,
+                "speedup_parallel": p.before.total_s / p.parallel.total_s,
+                "allreduces_parallel": p.parallel.n_allreduce,
+                "layers_parallel": p.parallel.n_layers,
+                "breakdown_parallel": p.parallel.as_dict(),
+            }
+        if spec.parallel_series:
+            options = {"tp": tp, "batch": batch, "context": context}
+            entry["parallel_series"] = _series_rows(spec, hw, p.before, **options)
         if spec.paper:
             entry["paper_measured"] = {**spec.paper, "gpu": "8xH100 FP8 TP8"}
         out[spec.name] = entry
     return out
+
+
+def _series_rows(spec: PaperModel, hw: Hardware, before: Breakdown, **options) -> list[dict]:
+    """The paper's section-6 rows (quality as parallel groups are added) beside the predicted speed, the
+    speed it never measured. Like the paper's experiment, without FFN fusion: the quality is of these
+    block tables."""
+    rows = []
+    for step in spec.parallel_series:
+        b = predict_spec(spec, hw, fuse_blocks(spec.blocks, (), step.groups), **options)
+        rows.append(
+            {
+                "parallel_blocks": [list(g) for g in step.groups],
+                "tokens_per_s": b.tokens_per_s,
+                "speedup": before.total_s / b.total_s,
+                "allreduces": b.n_allreduce,
+                "layers": b.n_layers,
+                "paper_mmlu": step.mmlu,
+                "paper_mt_bench": step.mt_bench,
+            }
+        )
+    return rows
 
 
 def constants_table() -> list[tuple[str, float, str, str]]:
@@ -549,6 +654,32 @@ def format_report(rep: dict[str, dict]) -> str:
             f"{e['allreduces_before']:>7}->{e['allreduces_after']:<4}{e['tokens_per_s_before']:>13.2f}"
             f"{e['tokens_per_s_after']:>13.2f}{e['speedup']:>8.3f}x   {measured or '-'}"
         )
+    lines += [
+        "",
+        "FFN fusion + block parallelization (paper section 6: whole blocks side by side; never measured):",
+        f"{'model':<16}{'parallel groups':<22}{'layers':>8}{'all-reduces':>13}{'tok/s':>9}{'speedup':>9}",
+    ]
+    for name, e in rep.items():
+        if "parallel_blocks" in e:
+            groups = " ".join(f"[{i},{j}]" for i, j in e["parallel_blocks"])
+            lines.append(
+                f"{name:<16}{groups:<22}{e['layers_parallel']:>8}{e['allreduces_parallel']:>13}"
+                f"{e['tokens_per_s_parallel']:>9.2f}{e['speedup_parallel']:>8.3f}x"
+            )
+    for name, e in rep.items():
+        if e.get("parallel_series"):
+            lines += [
+                "",
+                f"{name}, parallel blocks only: the paper's section-6 rows (its quality), predicted speed",
+                f"{'parallel groups':<32}{'MMLU':>7}{'MT-Bench':>10}{'all-reduces':>13}{'tok/s':>9}"
+                f"{'speedup':>9}",
+            ]
+            for r in e["parallel_series"]:
+                groups = " ".join(f"[{i},{j}]" for i, j in r["parallel_blocks"]) or "none (the base model)"
+                lines.append(
+                    f"{groups:<32}{r['paper_mmlu']:>7.2f}{r['paper_mt_bench']:>10.2f}{r['allreduces']:>13}"
+                    f"{r['tokens_per_s']:>9.2f}{r['speedup']:>8.3f}x"
+                )
     c, b = CONSTANTS, speedup_bound()
     lines += [
         "",

@@ -8,12 +8,15 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from passes.errors import UserError
 from runtime.bench.latency_constants import CONSTANTS
 from runtime.bench.latency_model import (
     LayerShape,
+    ParallelGroup,
+    allreduce_s,
     calibrate,
     fuse_blocks,
     gemm_s,
@@ -150,6 +153,14 @@ def test_tool_json_schema():
     assert ultra["paper_measured"]["speedup"] == 1.12
     assert data["Llama-3.1-405B"]["paper_measured"]["tokens_per_s_before"] == 41.44
     assert "paper_measured" not in data["Super-49B"]
+    super49 = data["Super-49B"]
+    assert super49["parallel_blocks"] == [[38, 41], [71, 74]]
+    assert super49["allreduces_after"] - super49["allreduces_parallel"] == 12  # 2 x (8 - 2)
+    assert super49["speedup_parallel"] > super49["speedup"]
+    rows = super49["parallel_series"]
+    assert [r["paper_mmlu"] for r in rows] == [80.73, 80.04, 77.86, 56.12]
+    assert [r["allreduces"] for r in rows] == [129, 117, 111, 105]
+    assert "parallel_blocks" not in data["Llama-3.1-405B"]
 
 
 def test_tool_table_and_bad_input():
@@ -167,3 +178,36 @@ def test_tool_table_and_bad_input():
     )
     assert bad.returncode == 2
     assert bad.stderr.startswith("error: ")
+
+
+def test_parallel_group_is_one_step_with_two_allreduces():
+    """k whole blocks side by side: the same bytes, one step, one stacked attention all-reduce and one FFN
+    all-reduce instead of 2k, one kernel sequence per sub-block kind."""
+    hw, hidden = hardware("h100"), 8192
+    blocks = [LayerShape(True, 28672) for _ in range(4)]
+    args = (hidden, 128256, 64, 8, hw)
+    sequential = predict_decode(blocks, *args)
+    parallel = predict_decode(fuse_blocks(blocks, [], [[0, 3]]), *args)
+    assert fuse_blocks(blocks, [], [[0, 3]]) == [ParallelGroup(tuple(blocks))]
+    assert (sequential.n_allreduce, parallel.n_allreduce) == (8, 2)
+    assert (sequential.n_layers, parallel.n_layers) == (4, 1)
+    assert parallel.weight_bytes_per_gpu == sequential.weight_bytes_per_gpu
+    assert parallel.gemm_s == pytest.approx(sequential.gemm_s)
+    assert parallel.attention_s == sequential.attention_s
+    message = hidden * 2  # batch 1, bf16 activations
+    logits = allreduce_s(int(np.ceil(128256 / 8)) * 2, hw)
+    expected = allreduce_s(4 * message, hw) + allreduce_s(message, hw) + logits  # stacked, then summed
+    assert parallel.allreduce_s == pytest.approx(expected)
+    assert parallel.total_s < sequential.total_s
+
+
+def test_parallel_groups_take_whole_blocks_and_do_not_overlap():
+    blocks = [LayerShape(True, 512), LayerShape(True, 512), LayerShape(False, 256), LayerShape(True, 512)]
+    with pytest.raises(UserError, match=r"block 2 lacks attention or an FFN"):
+        fuse_blocks(blocks, [], [[1, 2]])
+    with pytest.raises(UserError, match="out of range"):
+        fuse_blocks(blocks, [], [[3, 3]])  # a group of one block
+    with pytest.raises(UserError, match="overlaps"):
+        fuse_blocks(blocks, [[1, 2]], [[0, 1]])
+    mixed = fuse_blocks(blocks + [LayerShape(True, 512)], [[1, 2]], [[3, 4]])
+    assert mixed == [blocks[0], LayerShape(True, 768), ParallelGroup((blocks[3], LayerShape(True, 512)))]
