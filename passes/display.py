@@ -1,34 +1,49 @@
-"""Human-readable block tables: attention-free runs visible at a glance."""
+"""Human-readable block tables: every layer's attention and FFN parts, and the attention-free runs."""
 
 from __future__ import annotations
 
 from passes.blocks import Block
 from passes.runs import attention_free_runs
 
+_ATTENTION_MARKS = {"attention": "A", "linear": "L", "other": "?", "none": "-"}
+_FFN_MARKS = {"swiglu": "F", "linear": "L", "other": "?", "none": "-"}
+
 
 def stream_map(blocks: list[Block]) -> str:
-    """One character per block: A has attention, L a Linear-replaced (or other non-SwiGLU) branch before
-    its FFN (a fusion barrier like attention), - neither."""
-    return "".join(_mark(b) for b in blocks)
+    """One character per block for its attention part: A attention, L one Linear (replace_with_linear),
+    ? another branch (both fusion barriers), - none."""
+    return "".join(_ATTENTION_MARKS[b.attention_kind] for b in blocks)
 
 
-def _mark(block: Block) -> str:
-    return "A" if block.attention else "L" if block.barrier is not None else "-"
+def ffn_map(blocks: list[Block]) -> str:
+    """One character per block for its FFN part: F SwiGLU, L one Linear, ? another branch, - none."""
+    return "".join(_FFN_MARKS[b.ffn_kind] for b in blocks)
 
 
-def _fusable_runs(blocks: list[Block]) -> str:
+def fusable_runs(blocks: list[Block]) -> list[tuple[int, int]]:
+    """Maximal runs of blocks that a group may hold after its first (no attention part of any kind, no
+    Linear or other FFN) with at least two SwiGLU FFNs, as block numbers."""
     runs = attention_free_runs([b.fusion_barrier for b in blocks])
-    runs = [f"{i}-{j} ({j - i + 1} blocks)" for i, j in runs if j > i]
+    runs = [(blocks[i].index, blocks[j].index) for i, j in runs]
+    by_index = {b.index: b for b in blocks}
+    return [(i, j) for i, j in runs if sum(by_index[k].has_swiglu for k in range(i, j + 1)) >= 2]
+
+
+def _runs_text(blocks: list[Block]) -> str:
+    runs = [f"{i}-{j} ({j - i + 1} blocks)" for i, j in fusable_runs(blocks)]
     return ", ".join(runs) if runs else "none"
 
 
 def format_block_table(blocks: list[Block]) -> str:
-    lines = [f"{'block':>5}  {'attn':<4}  {'ffn_width':>9}  {'dtype':<8}  {'norm':<13}  layer"]
+    lines = [f"{'block':>5}  {'attention':<10}  {'ffn':<12}  {'dtype':<8}  {'norm':<13}  layer"]
     for b in blocks:
+        dtype = b.dtype.name.lower() if b.dtype is not None else "-"
+        norm = b.norm.kind if b.norm is not None else "-"
+        layer = b.layer_name or ("(identity: no nodes)" if b.is_identity else "")
         lines.append(
-            f"{b.index:>5}  {_mark(b):<4}  {b.width:>9}  {b.dtype.name.lower():<8}  "
-            f"{b.norm.kind:<13}  {b.layer_name or ''}"
+            f"{b.index:>5}  {b.attention_label():<10}  {b.ffn_label():<12}  {dtype:<8}  {norm:<13}  {layer}"
         )
     lines.append(f"stream: {stream_map(blocks)}")
-    lines.append(f"attention-free runs: {_fusable_runs(blocks)}")
+    lines.append(f"ffns:   {ffn_map(blocks)}")
+    lines.append(f"attention-free runs: {_runs_text(blocks)}")
     return "\n".join(lines)

@@ -23,13 +23,11 @@ from passes.blocks import Block
 from passes.errors import PassInputError, UserError
 from passes.graph import strip_cast
 from passes.io.stream_concat import ConcatTensor, Part
-from passes.model_map import find_blocks
+from passes.model_map import PLAN_METADATA_KEY, find_blocks
 from passes.patterns import nbits
 from passes.patterns.nbits import NBits
 from passes.patterns.swiglu import Weight
 from passes.plan import Plan, validate_plan
-
-PLAN_METADATA_KEY = "ffn_fusion.plan"
 
 
 class FuseFFNGroups(ir.passes.InPlacePass):
@@ -38,7 +36,10 @@ class FuseFFNGroups(ir.passes.InPlacePass):
     requires: SwiGLU blocks that the plan fits (passes.plan.validate_plan) and, in every group, weights that
     concatenate (int4 MatMulNBits: "last" only, one layout, a block size dividing every down K): else a
     PassInputError (a UserError) before anything is rewritten, so a refused plan leaves the model as it was.
-    ensures: the plan's groups are one block each (blocks before - removed FFNs).
+    ensures: the plan's groups are one block each (blocks before - (j - i) per group).
+
+    A group's FFN-free blocks (an attention-only first block, identity layers inside) stay as they are;
+    its SwiGLU FFNs (`ffn_members`) become the one wide FFN, reading the stream its first one read.
     """
 
     def __init__(self, plan: Plan):
@@ -50,8 +51,8 @@ class FuseFFNGroups(ir.passes.InPlacePass):
         try:
             blocks = find_blocks(model)
             validate_plan(self.plan, blocks)
-            for first, last in self.plan.groups:
-                _check_group(blocks[first : last + 1], self.plan.norm)
+            for group in self.plan.groups:
+                _check_group(ffn_members(blocks, group), self.plan.norm)
         except UserError as exc:
             raise PassInputError(str(exc)) from None
         self._checked = (model, blocks)
@@ -61,8 +62,8 @@ class FuseFFNGroups(ir.passes.InPlacePass):
             self.requires(model)
         blocks, self._checked = self._checked[1], None
         self._expected_blocks = len(blocks) - self.plan.removed_ffns
-        for first, last in self.plan.groups:
-            _fuse_group(model.graph, blocks[first : last + 1], self.plan.norm)
+        for group in self.plan.groups:
+            _fuse_group(model.graph, ffn_members(blocks, group), self.plan.norm, group)
         model.metadata_props[PLAN_METADATA_KEY] = self.plan.to_json()
         if self.plan.groups:
             RemoveUnusedNodesPass()(model)
@@ -75,12 +76,19 @@ class FuseFFNGroups(ir.passes.InPlacePass):
             raise AssertionError(f"fused model has {count} blocks, expected {self._expected_blocks}")
 
 
+def ffn_members(blocks: list[Block], group: tuple[int, int]) -> list[Block]:
+    """The blocks of `group` (block numbers, inclusive) that have a SwiGLU FFN: what the group fuses."""
+    first, last = group
+    return [b for b in blocks if first <= b.index <= last and b.ffn is not None]
+
+
 OUT, IN = "out", "in"  # gate/up are concatenated along their output dimension, down along its input
 ROLES = (("gate", OUT), ("up", OUT), ("down", IN))
 
 
 def _check_group(group: list[Block], mode: str) -> None:
-    """A UserError when the group's weights cannot be concatenated into one FFN (checked before rewriting)."""
+    """A UserError when the group's weights cannot be concatenated into one FFN (checked before rewriting).
+    `group`: its SwiGLU blocks."""
     first, last = group[0], group[-1]
     prefix = f"ffn_fusion.{first.index}_{last.index}"
     weights = {role: [getattr(b.ffn, role) for b in group] for role, _ in ROLES}
@@ -94,9 +102,10 @@ def _check_group(group: list[Block], mode: str) -> None:
             _check_nbits(f"{prefix}.{role}_proj", weights[role], along)
 
 
-def _fuse_group(graph: ir.Graph, group: list[Block], mode: str) -> None:
+def _fuse_group(graph: ir.Graph, group: list[Block], mode: str, numbers: tuple[int, int]) -> None:
+    """Fuse the SwiGLU blocks `group` of plan group `numbers` into one FFN at the last one's residual add."""
     first, last = group[0], group[-1]
-    prefix = f"ffn_fusion.{first.index}_{last.index}"
+    prefix = f"ffn_fusion.{numbers[0]}_{numbers[1]}"
     gates, ups, downs = ([getattr(b.ffn, role) for b in group] for role, _ in ROLES)
     z, row_scales = _shared_norm(graph, group, mode, prefix)
     gate = _fused_linear(graph, f"{prefix}.gate_proj", gates, OUT, row_scales)

@@ -7,7 +7,7 @@ The one place that knows the naming conventions of the exporters this project me
 - `attention_mask` ([batch, past + seq], int), `position_ids` ([batch, seq], int);
 - KV cache: Optimum / ONNX Runtime GenAI `past_key_values.N.key|value` -> `present.N.key|value`, and the
   project's own decode graphs `past_key_<L>|past_value_<L>` -> `present_key_<L>|present_value_<L>`,
-  both [batch, kv_heads, past, head_dim];
+  both [batch, kv_heads, past, head_dim], `kv_heads` read per input (Nemotron-NAS / Puzzle layers differ);
 - a float input of rank 2 or 3 is the residual stream entering a pipeline-stage graph (issue 13);
 - `logits` (else the first output).
 

@@ -24,9 +24,12 @@ Cast/Identity copies of the stream (Optimum casts the stream before every norm).
 - "linear": one projection (after any norm), e.g. a Nemotron-NAS replace_with_linear attention or FFN;
 - "other": anything else (a GELU FFN, a form the SwiGLU recognizer does not know), opaque; `why` says what.
 
-`model_map.blocks` are derived from that list: every "ffn" branch, with the branches between it and the
-previous one, is one block. An attention branch there sets `Block.attention`; a "linear" or "other"
-branch there is a fusion barrier (`Block.barrier`): a plan group may not span either.
+`model_map.blocks` are derived from that list, one per source layer (passes/blocks.py: an attention part
+and an FFN part, each "none" when absent): by the exporter's layer map in the metadata (`ffn_fusion.hf`
+layer_kinds; numbers are the checkpoint's layer indices, identity layers included) when it fits the
+branches, else as seen (an attention branch starts a block, a SwiGLU branch ends one, a one-Linear branch
+fills the attention slot of an empty block, else the FFN slot). A plan group may not contain an attention
+part after its first block, nor a Linear or other FFN (passes/plan.py).
 
 This is the only stream walker: passes and tools call `build_model_map` (or `find_blocks`, which
 returns its blocks, or `walk_stream` where a graph need not have SwiGLU blocks: the sharder).
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import json
 import re
 from dataclasses import dataclass
 
@@ -175,7 +179,7 @@ def build_model_map(model: ir.Model) -> ModelMap:
     graph = model.graph
     signature = Signature.of(model)
     stream = walk_stream(model, signature)
-    blocks, attention = _blocks(stream.branches)
+    blocks, attention = _blocks(stream.branches, stream.start, layer_map(model))
     final_norm, lm_head = _head(graph, signature, stream.last, stream.embedding)
     return ModelMap(
         graph, signature, stream.embedding, stream.start, stream.branches, tuple(blocks), tuple(attention),
@@ -227,44 +231,147 @@ def _is_one_linear(branch: ir.Value, start: ir.Value) -> bool:
     return end is not None and [n for n in nodes if is_linear(n)] == [end]
 
 
-def _blocks(branches: tuple[ResidualBranch, ...]) -> tuple[list[Block], list[AttentionBlock]]:
-    """Blocks from the branch list: each "ffn" branch with the branches since the previous one."""
-    blocks: list[Block] = []
-    attention: list[AttentionBlock] = []
-    before: list[ResidualBranch] = []  # branches since the previous FFN block
-    for branch in branches:
-        if branch.kind != "ffn":
-            if branch.kind == "attention":
-                if any(b.kind == "attention" for b in before):
-                    raise UserError(
-                        f"two attention sub-blocks in a row after block {len(blocks) - 1}: "
-                        "blocks without an FFN are not supported"
-                    )
-                attention.append(AttentionBlock(len(blocks), branch.residual, branch.start))
-            before.append(branch)
-            continue
-        blocks.append(_block(len(blocks), branch, before))
-        before = []
-    if not blocks:
+def _blocks(
+    branches: tuple[ResidualBranch, ...], start: ir.Value, layers: list[tuple[str, str, str]] | None
+) -> tuple[list[Block], list[AttentionBlock]]:
+    """One block per layer: by the exporter's layer map when it fits the branches, else as seen."""
+    parts = _parts_by_layer_map(branches, layers) if layers is not None else None
+    names: list[str | None] = [name for _, _, name in layers] if parts is not None and layers else []
+    if parts is None:
+        parts = _parts_as_seen(branches)
+    if not any(ffn is not None and ffn.kind == "ffn" for _, ffn in parts):
         found = "; ".join(sorted({b.why for b in branches if b.why}))
         found = found or "no residual stream of Add nodes after the embedding"
         raise UserError(f"no RMSNorm -> SwiGLU FFN blocks found: {found}")
+    blocks: list[Block] = []
+    stream = start
+    for index, (attn, ffn) in enumerate(parts):
+        block = _block(index, attn, ffn, stream, names[index] if names else None)
+        blocks.append(block)
+        stream = block.output if block.output is not None else stream
+    attention = [
+        AttentionBlock(i, attn.residual, attn.start)
+        for i, (attn, _) in enumerate(parts)
+        if attn is not None and attn.kind == "attention"
+    ]
     return blocks, attention
 
 
-def _block(index: int, ffn: ResidualBranch, before: list[ResidualBranch]) -> Block:
-    """Block `index`: the FFN branch `ffn` and the branches `before` it since the previous block."""
-    assert ffn.norm is not None and ffn.ffn is not None
-    barrier = next((_barrier(b) for b in before if b.kind in ("linear", "other")), None)
-    block_input = before[0].stream if before else ffn.stream
-    attention = any(b.kind == "attention" for b in before)
-    name = layer_name(ffn.ffn.output.producer())
-    return Block(index, attention, block_input, ffn.norm, ffn.ffn, ffn.residual, name, barrier)
+Parts = tuple["ResidualBranch | None", "ResidualBranch | None"]  # a layer's attention and FFN branches
 
 
-def _barrier(branch: ResidualBranch) -> str:
+def _parts_as_seen(branches: tuple[ResidualBranch, ...]) -> list[Parts]:
+    """Layers from the branches alone: an attention branch starts a layer, a SwiGLU branch ends one, and a
+    one-Linear (or unknown) branch fills the attention slot of an empty layer, else the FFN slot. A
+    Linear after an attention-only layer reads as that layer's FFN (only the layer map can tell)."""
+    parts: list[Parts] = []
+    attn: ResidualBranch | None = None
+    for branch in branches:
+        if branch.kind == "attention" or (branch.kind != "ffn" and attn is None):
+            if attn is not None:
+                parts.append((attn, None))
+            attn = branch
+            continue
+        parts.append((attn, branch))
+        attn = None
+    if attn is not None:
+        parts.append((attn, None))
+    return parts
+
+
+# Layer-map kinds (exporters/hf/config.py layer_kinds) -> the branch kinds that can carry them (a
+# quantized or otherwise rewritten SwiGLU or Linear may read as "other").
+_ACCEPTS = {"gqa": ("attention",), "swiglu": ("ffn", "other"), "linear": ("linear", "other")}
+
+
+def _parts_by_layer_map(
+    branches: tuple[ResidualBranch, ...], layers: list[tuple[str, str, str]]
+) -> list[Parts] | None:
+    """Layers as the exporter's layer map names them (identity layers included), or None when the map
+    does not fit the branches (a graph rewritten since: numbered as seen)."""
+    parts: list[Parts] = []
+    queue = list(branches)
+    for *kinds, _ in layers:
+        layer: list[ResidualBranch | None] = []
+        for kind in kinds:
+            if kind == "none":
+                layer.append(None)
+            elif queue and queue[0].kind in _ACCEPTS.get(kind, ()):
+                layer.append(queue.pop(0))
+            else:
+                return None
+        parts.append((layer[0], layer[1]))
+    return None if queue else parts
+
+
+def _block(
+    index: int, attn: ResidualBranch | None, ffn: ResidualBranch | None, stream: ir.Value, name: str | None
+) -> Block:
+    """Block `index` from its attention and FFN branches (either may be absent; both: the identity at
+    `stream`); `name` the layer's name from the metadata, if any."""
+    first = attn or ffn
+    block_input = first.stream if first is not None else stream
+    swiglu = ffn is not None and ffn.kind == "ffn"
+    ffn_kind = "none" if ffn is None else "swiglu" if swiglu else ffn.kind
+    attention_kind = "none" if attn is None else attn.kind
+    projection = (ffn or attn).projection if first is not None else None
+    name = layer_name(ffn.ffn.output.producer() if swiglu else projection) or name
+    return Block(
+        index,
+        block_input,
+        attention_kind,
+        ffn_kind,
+        ffn.norm if swiglu else None,
+        ffn.ffn if swiglu else None,
+        ffn.residual if ffn is not None else None,
+        attn.residual if attn is not None else None,
+        name,
+        _what(attn) if attention_kind in ("linear", "other") else None,
+        _what(ffn) if ffn_kind in ("linear", "other") else None,
+        _kv_heads(attn) if attention_kind == "attention" else None,
+    )
+
+
+def _what(branch: ResidualBranch | None) -> str | None:
+    if branch is None:
+        return None
     what = "a one-Linear branch (replace_with_linear)" if branch.kind == "linear" else branch.why
-    return f"{branch.describe()}, {what}"
+    return f"{branch.describe()}, {what or 'not a SwiGLU FFN'}"
+
+
+def _kv_heads(branch: ResidualBranch | None) -> int | None:
+    """The attention branch's KV heads, where the attention recognizer reads them (display only)."""
+    if branch is None:
+        return None
+    try:
+        return match_attention(branch.residual.branch, branch.start).kv_heads
+    except (NoMatch, UserError):
+        return None
+
+
+# The exporter's metadata (exporters/hf/checkpoint.py writes it): per source layer "attention+ffn" kinds.
+HF_METADATA_KEY = "ffn_fusion.hf"
+# The fusion plan a fused graph carries (passes/fuse.py writes it).
+PLAN_METADATA_KEY = "ffn_fusion.plan"
+
+
+def layer_map(model: ir.Model) -> list[tuple[str, str, str]] | None:
+    """Per source layer (attention kind, FFN kind, name) from the exporter's metadata (kinds "gqa",
+    "linear", "none"; "swiglu", "linear", "none"), adjusted for a fused graph's plan (a group [i, j]
+    leaves layer i with one SwiGLU FFN and removes layers i+1..j); None without the metadata."""
+    try:
+        meta = json.loads(model.metadata_props[HF_METADATA_KEY])
+        kinds, names = meta["layer_kinds"], meta["layer_names"]
+        layers = [(*(re.sub(r"\(.*\)", "", p) for p in kind.split("+")), name)
+                  for kind, name in zip(kinds, names, strict=True)]
+        plan = json.loads(model.metadata_props.get(PLAN_METADATA_KEY, "{}")).get("groups", [])
+        for first, last in sorted(plan, reverse=True):
+            if not 0 <= first < last < len(layers):
+                return None
+            layers[first : last + 1] = [(layers[first][0], "swiglu", layers[first][2])]
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
+    return layers if all(len(layer) == 3 for layer in layers) else None
 
 
 def _match_ffn(residual: ResidualAdd, stream: ir.Value) -> tuple[SwiGLU, Norm]:

@@ -66,39 +66,62 @@ def load_plan(path: str | Path) -> Plan:
 
 
 def validate_plan(plan: Plan, blocks: list[Block]) -> None:
-    """Check the plan against the model: in range, no overlap, no attention or other barrier branch inside a
-    group (only before its first block), same dtype."""
+    """Check the plan against the model: in range, no overlap; inside a group (after its first block) no
+    attention part of any kind, and no block whose FFN is not a SwiGLU (a Linear FFN) anywhere in it;
+    at least two SwiGLU FFNs, one dtype and one epsilon. FFN-free, attention-free blocks (identity layers)
+    may lie inside a group; an attention-only first block keeps its attention before the fused FFN."""
+    by_index = {b.index: b for b in blocks}
     previous: tuple[int, int] | None = None
     for first, last in sorted(plan.groups):
         if first >= last:  # parse_plan refuses these too; a Plan built in code reaches here unchecked
             raise UserError(f"group [{first}, {last}] must be [first, last] with first < last (2+ blocks)")
-        if first < 0 or last >= len(blocks):
+        if first not in by_index or last not in by_index:
             raise UserError(
                 f"group [{first}, {last}] is out of range: the model has blocks 0..{len(blocks) - 1}"
             )
         if previous is not None and first <= previous[1]:
             raise UserError(f"groups [{previous[0]}, {previous[1]}] and [{first}, {last}] overlap")
         previous = (first, last)
-        group = blocks[first : last + 1]
-        for block in group[1:]:
-            if block.attention:
-                raise UserError(
-                    f"group [{first}, {last}] spans attention: block {block.index} has attention "
-                    f"(only the first block of a group may have it)"
-                )
-            if block.barrier is not None:
-                raise UserError(
-                    f"group [{first}, {last}] spans a branch fusion cannot cross: block {block.index} "
-                    f"follows {block.barrier}"
-                )
-        unweighted = [b.index for b in group if b.norm.weight is None]
+        group = [by_index[k] for k in range(first, last + 1)]
+        for block in group:
+            _check_member(block, first, last, block.index == first)
+        members = [b for b in group if b.ffn is not None]
+        if len(members) < 2:
+            what = f"block {members[0].index}" if members else "none"
+            raise UserError(
+                f"group [{first}, {last}] has fewer than two SwiGLU FFNs to fuse (only {what}); "
+                "widen it or drop it"
+            )
+        unweighted = [b.index for b in members if b.norm is not None and b.norm.weight is None]
         if unweighted:
             raise UserError(
                 f"block {unweighted[0]} has an RMSNorm without weight (already fused?); cannot fuse it"
             )
-        dtypes = {b.dtype for b in group}
+        dtypes = {b.dtype for b in members}
         if len(dtypes) > 1:
             raise UserError(f"group [{first}, {last}] mixes weight dtypes {sorted(d.name for d in dtypes)}")
-        epsilons = {b.norm.eps for b in group}
+        epsilons = {b.norm.eps for b in members if b.norm is not None}
         if len(epsilons) > 1:
             raise UserError(f"group [{first}, {last}] mixes RMSNorm epsilons {sorted(epsilons)}")
+
+
+def _check_member(block: Block, first: int, last: int, is_first: bool) -> None:
+    """A UserError naming the block, its layer and its kind when it cannot be in group [first, last]."""
+    layer = f"layer {block.layer_name}; " if block.layer_name else ""
+    if block.ffn_kind in ("linear", "other"):
+        raise UserError(
+            f"group [{first}, {last}] spans a branch fusion cannot cross: block {block.index}'s FFN is "
+            f"{block.ffn_what} (only SwiGLU FFNs fuse)"
+        )
+    if is_first:
+        return
+    if block.attention:
+        raise UserError(
+            f"group [{first}, {last}] spans attention: block {block.index} has attention "
+            f"({layer}only the first block of a group may have it)"
+        )
+    if block.barrier is not None:
+        raise UserError(
+            f"group [{first}, {last}] spans a branch fusion cannot cross: block {block.index} follows "
+            f"{block.barrier} (only the first block of a group may have an attention part)"
+        )

@@ -34,8 +34,10 @@ def norm_weight(block: Block) -> np.ndarray | None:
 
 
 def parallel_sum(x: np.ndarray, group: list[Block], mode: str) -> np.ndarray:
-    """The parallel form of the group's FFNs applied to the stream `x`, in float64."""
+    """The parallel form of the group's FFNs applied to the stream `x`, in float64 (blocks without a
+    SwiGLU FFN, FFN-free layers inside a group, add nothing)."""
     x = x.astype(np.float64)
+    group = [b for b in group if b.ffn is not None]
     last = group[-1]
     out = x.copy()
     for block in group:
@@ -47,7 +49,9 @@ def parallel_sum(x: np.ndarray, group: list[Block], mode: str) -> np.ndarray:
 
 
 def ffn_weight_bytes(block: Block) -> int:
-    """Bytes of the block's FFN weights as stored (int4 scales and zero points included)."""
+    """Bytes of the block's FFN weights as stored (int4 scales and zero points included); 0 without one."""
+    if block.ffn is None:
+        return 0
     values = []
     for weight in (block.ffn.gate, block.ffn.up, block.ffn.down):
         values += [weight.source] + ([weight.nbits.scales, weight.nbits.zero_points] if weight.nbits else [])

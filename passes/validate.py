@@ -24,12 +24,12 @@ import onnxruntime as ort
 from passes.analysis.cut import split_skip_norms, stream_names
 from passes.blocks import Block
 from passes.errors import UserError
-from passes.fuse import PLAN_METADATA_KEY
+from passes.fuse import ffn_members
 from passes.graph_inputs import FeedError, Signature
 from passes.io.model_io import load_model, load_proto, weight_bytes
 from passes.io.sessions import open_session
 from passes.metrics import cosine, l2_relative_error
-from passes.model_map import find_blocks, vocab_size
+from passes.model_map import PLAN_METADATA_KEY, find_blocks, vocab_size
 from passes.plan import Plan, parse_plan
 from passes.reference import ffn_weight_bytes, parallel_sum
 
@@ -116,7 +116,8 @@ def validate(
     expected = len(original_blocks) - plan.removed_ffns
     if len(fused_blocks) != expected:
         raise ValidationError(f"fused model has {len(fused_blocks)} blocks, the plan gives {expected}")
-    pairs = [(g, original_blocks[g[0] : g[1] + 1], _fused_index(plan, g)) for g in plan.groups]
+    # Each group's SwiGLU blocks (FFN-free blocks inside a group fuse nothing) and its fused block's place.
+    pairs = [(g, ffn_members(original_blocks, g), _fused_index(plan, g)) for g in plan.groups]
     tolerance = tolerance if tolerance is not None else exactness_tolerance(original_blocks)
     for (first, last), group, k in pairs:
         if (width := fused_blocks[k].width) != sum(b.width for b in group):
@@ -141,7 +142,8 @@ def validate(
 def exactness_tolerance(blocks: list[Block]) -> float:
     """1e-5 for fp32 weights. Half-precision weights are rounded once more when fused ("fold" scales
     their rows), so the bound there is two units in the last place of the weight dtype."""
-    ulp = {"FLOAT16": 2.0**-10, "BFLOAT16": 2.0**-7}.get(blocks[0].dtype.name, 0.0)
+    dtype = next((b.dtype for b in blocks if b.dtype is not None), None)
+    ulp = {"FLOAT16": 2.0**-10, "BFLOAT16": 2.0**-7}.get(dtype.name if dtype is not None else "", 0.0)
     return max(1e-5, 2 * ulp)
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from passes.cli import add_data_file_size, data_file_bytes, tool_parser
 from passes.display import format_block_table
 from passes.errors import UserError, run_cli
+from passes.fuse import ffn_members
 from passes.io.model_io import load_model
 from passes.model_map import find_blocks
 from passes.pipeline import fuse_file
@@ -23,8 +24,9 @@ examples:
   fuse_onnx.py model.onnx plan.json              write model.fused.onnx beside the input, validated
   fuse_onnx.py --verify model.onnx model.fused.onnx   re-check a fused model (exit 1 on mismatch)
 
-plan.json: {"groups": [[13, 17], [18, 21]], "norm": "last"}   (block indices, inclusive;
-  blocks i+1..j of a group must have no attention; norm "last" (paper) or "fold")
+plan.json: {"groups": [[13, 17], [18, 21]], "norm": "last"}   (block numbers = source layers, inclusive;
+  blocks i+1..j of a group must have no attention part and no group a Linear FFN; norm "last" (paper)
+  or "fold")
 """
 
 
@@ -93,10 +95,11 @@ def fuse(args: argparse.Namespace) -> int:
         log=lambda m: print(m, file=sys.stderr),
         max_data_file_bytes=args.max_data_file_bytes,
     )
+    members = [ffn_members(result.blocks_before, group) for group in plan.groups]
     groups = (
         ", ".join(
-            f"[{i}, {j}] ({j - i + 1} FFNs, width {sum(b.width for b in result.blocks_before[i : j + 1])})"
-            for i, j in plan.groups
+            f"[{i}, {j}] ({len(ffns)} FFNs, width {sum(b.width for b in ffns)})"
+            for (i, j), ffns in zip(plan.groups, members, strict=True)
         )
         or "none (empty plan)"
     )

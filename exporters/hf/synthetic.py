@@ -154,3 +154,28 @@ def write_nemotron(
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return folder
+
+
+# Every Nemotron-NAS layer kind in one tiny checkpoint (hidden 64, 4 heads; every SwiGLU 256 wide):
+# variable GQA (2, 1 and 4 KV heads), an attention-free run with an identity layer inside (1-4; layer 2 has
+# neither part, so the graph has no nodes for it), an attention-only layer (5, FFN no_op) right before
+# another attention layer, a Linear attention (7), a Linear FFN (8) and a last attention-free run (9-10).
+ALL_KINDS_BLOCKS = [
+    deci_block(2, 1.0),
+    deci_block("no_op", 1.0),
+    deci_block("no_op", "no_op"),
+    deci_block("no_op", 2.0),
+    deci_block("no_op", 1.0),
+    deci_block(4, "no_op"),
+    deci_block(1, 1.0),
+    deci_block("linear", 1.0),
+    deci_block("no_op", "linear"),
+    deci_block("no_op", 1.0),
+    deci_block("no_op", 1.0),
+]
+
+
+def write_all_kinds(folder: Path, seed: int = 0, vocab: int = 96) -> Path:
+    """The ALL_KINDS_BLOCKS checkpoint (bf16, two shards and the index, llama3 rope scaling) in `folder`."""
+    config = nemotron_config(ALL_KINDS_BLOCKS, hidden=64, heads=4, vocab=vocab, rope_scaling=LLAMA3_ROPE)
+    return write_nemotron(folder, config, shards=2, seed=seed)

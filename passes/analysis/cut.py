@@ -5,7 +5,9 @@ A block's subgraph reads the stream entering it and the side tensors it needs th
 it (rotary cos/sin, the attention mask, shapes). Side tensors must not depend on the residual stream
 (this is checked), so they can be captured once from a full run and stay fixed when a block is skipped
 (passes/analysis/runner.py runs the subgraphs). Block input is the residual stream entering the block
-(before its attention), block output the stream after its FFN's residual add.
+(before its attention part), block output the stream after its last part's residual add (its FFN's, or
+for an FFN-free block its attention's). An identity block (a layer the metadata names but the graph has
+no nodes for) has no subgraph: its output is its input.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ class BlockCut:
     input_name: str
     output_name: str
     side_inputs: list[str]
-    proto: onnx.ModelProto
+    proto: onnx.ModelProto | None  # None: an identity block (output = input, nothing to run)
 
 
 class NameGraph:
@@ -119,12 +121,12 @@ def _proto_node(graph: NameGraph, node: ir.Node) -> onnx.NodeProto:
 def stream_names(proto: onnx.ModelProto, blocks: list[Block]) -> list[tuple[str, str]]:
     """(input, output) stream names of every block. A last block whose residual sum the final
     Skip*Normalization keeps internal (output 3 unnamed) gets that output named in `proto`."""
-    names = [
-        (b.block_input.name, b.residual.output.name if b.residual.output is not None else "") for b in blocks
-    ]
+    names = [(b.block_input.name, b.output.name if b.output is not None else "") for b in blocks]
     if not names[-1][1]:
         graph = NameGraph(proto)
-        node = _proto_node(graph, blocks[-1].residual.node)
+        last = blocks[-1].last_residual
+        assert last is not None  # an identity block's output is its input, which has a name
+        node = _proto_node(graph, last.node)
         if node.op_type not in SKIP_NORMS:
             raise UserError(f"internal error: the last block's residual {node.op_type} has no output")
         sum_name = f"{node.name or node.output[0]}/residual_sum"
@@ -177,7 +179,7 @@ def cut_blocks(blocks: list[Block], proto: onnx.ModelProto) -> list[BlockCut]:
     for k, (start, end) in enumerate(names):
         if k + 1 < len(blocks) and names[k + 1][0] != end:
             raise UserError(f"block {k + 1} does not start where block {k} ends; cannot analyze this graph")
-        sides.append(graph.block_side_inputs(start, end))
+        sides.append([] if blocks[k].is_identity else graph.block_side_inputs(start, end))
     _check_side_inputs(blocks, sides, stream, value_types(proto))
     fill_stream_types(proto, [start for start, _ in names] + [names[-1][1]])
     types = value_types(proto)
@@ -189,7 +191,7 @@ def cut_blocks(blocks: list[Block], proto: onnx.ModelProto) -> list[BlockCut]:
             raise UserError(
                 f"block {block.index}: the type of {unknown[0]!r} is unknown (shape inference failed)"
             )
-        sub = extractor.extract_model([start, *side], [end])
+        sub = None if block.is_identity else extractor.extract_model([start, *side], [end])
         cuts.append(BlockCut(block.index, block.attention, block.width, start, end, side, sub))
     return cuts
 

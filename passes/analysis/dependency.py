@@ -8,7 +8,7 @@ Definitions (all means are over tokens; "cos" is the cosine over the hidden dime
 - io_cosine_distance: mean of 1 - cos(block input, block output);
 - residual_norm_ratio: mean of ||output - input|| / ||input||.
 Block input is the residual stream entering the block (before its attention), block output the stream
-after its FFN's residual add.
+after its last part (cut.py): an FFN-free block is its attention part, an identity block changes nothing.
 
 How: BlockRunner (runner.py) runs the model's blocks one at a time (cut.py). Skipping block i does not
 change the stream before it, so row i starts from the stored input of block i and runs blocks i+1..N-1
@@ -57,9 +57,9 @@ def norm_ratio(delta: np.ndarray, x: np.ndarray) -> float:
 class BlockStats:
     """One block's statistics: how much it changes the stream it reads."""
 
-    index: int
+    index: int  # the block number (the source layer, docs/design.md §2)
     attention: bool
-    ffn_width: int
+    ffn_width: int  # 0: no SwiGLU FFN
     io_cosine_distance: float
     residual_norm_ratio: float
 
@@ -141,7 +141,7 @@ def analyze(
         )
     stats = [
         BlockStats(
-            k,
+            runner.blocks[k].index,
             runner.cuts[k].attention,
             runner.cuts[k].width,
             cosine_distance(inputs[k], outputs[k]),

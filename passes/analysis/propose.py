@@ -1,8 +1,10 @@
 """Plan proposal from the dependency matrix, and the norm-mode choice by measured error.
 
 Rules (paper sections 3 and 5.3):
-- only attention-free runs are fused; each run's final FFN is left out (it is the sensitive one), so a
-  run [a, b] offers blocks a..b-1;
+- only attention-free runs are fused (`attention`: per block, a fusion barrier: an attention part of any
+  kind, or an FFN that is no SwiGLU); each run's final FFN is left out (it is the sensitive one), so a
+  run [a, b] whose last SwiGLU FFN is block f offers blocks a..f-1. Blocks without a SwiGLU FFN (width
+  0: identity layers) may lie inside a group; a group holds at least two SwiGLU FFNs;
 - by default a group starts at an attention-free block. With `start_at_attention` a group may also
   start at the attention block just before a run (its attention stays in place, its FFN joins the
   group; docs/design.md §2). Off by default: the dependency row of that block measures skipping its attention
@@ -40,13 +42,15 @@ class GroupChoice:
     width: int
     stopped: str  # why the group does not extend to the next block
     healed_error: float | None = None  # with a healed cost (analyze.py --heal): its held-out error
+    ffns: int | None = None  # SwiGLU FFNs in the group (fewer than its blocks when identity layers lie in it)
 
     def line(self) -> str:
         i, j = self.group
         healed = "" if self.healed_error is None else f", healed error {self.healed_error:.3f}"
         return (
-            f"group [{i}, {j}]: {j - i + 1} FFNs, max dependency inside {self.max_dependency:.3f}{healed}, "
-            f"width {self.width}; stops: {self.stopped}"
+            f"group [{i}, {j}]: {self.ffns or j - i + 1} FFNs, "
+            f"max dependency inside {self.max_dependency:.3f}{healed}, width {self.width}; "
+            f"stops: {self.stopped}"
         )
 
 
@@ -116,10 +120,13 @@ def propose(
         raise UserError(f"threshold {threshold} must be >= 0")
     limits = _Limits(dependency, widths, threshold, max_group, max_width, healed_cost)
     groups, notes = [], []
-    for a, b in attention_free_runs(attention):
-        first = a - 1 if start_at_attention and a > 0 else a
+    for a, end in attention_free_runs(attention):
+        ffns = [k for k in range(a, end + 1) if widths[k] > 0]
+        b = ffns[-1] if ffns else end  # the run's final FFN
+        # A group may start at the attention block before the run, unless that block's FFN is no SwiGLU.
+        first = a - 1 if start_at_attention and a > 0 and widths[a - 1] > 0 else a
         last = b - 1
-        what = f"attention-free run {a}-{b}"
+        what = f"attention-free run {a}-{end}"
         if last <= first:
             notes.append(f"{what}: too short to fuse once its final FFN (block {b}) is left out")
             continue
@@ -128,8 +135,8 @@ def propose(
             f"{what}: block {b} is the run's final FFN, left out; fusable blocks {first}-{last}{start}"
         )
         chosen = _split(limits, first, last)
-        groups.extend(_explain(limits, g, last, b) for g in chosen if g[1] > g[0])
-        alone = [g[0] for g in chosen if g[1] == g[0]]
+        groups.extend(_explain(limits, g, last, b) for g in chosen if limits.ffns(*g) >= 2)
+        alone = [g[0] for g in chosen if limits.ffns(*g) < 2 and widths[g[0]] > 0]
         if alone:
             notes.append(f"{what}: block(s) {', '.join(map(str, alone))} stay unfused (no neighbor fits)")
     return Proposal(groups, notes, threshold, max_group, max_width)
@@ -143,6 +150,10 @@ class _Limits:
     max_group: int | None
     max_width: int | None
     healed_cost: Callable[[int, int], float] | None = None
+
+    def ffns(self, first: int, last: int) -> int:
+        """SwiGLU FFNs in [first, last] (blocks of width 0 have none)."""
+        return sum(1 for w in self.widths[first : last + 1] if w > 0)
 
     def cost(self, first: int, last: int) -> float:
         """The group's cost: its healed error, else its largest pairwise dependency."""
@@ -216,7 +227,8 @@ def _explain(limits: _Limits, group: tuple[int, int], region_last: int, run_last
         )
     width = int(sum(limits.widths[first : last + 1]))
     healed = limits.cost(first, last) if limits.healed_cost is not None else None
-    return GroupChoice(group, group_max_dependency(limits.dependency, first, last), width, stopped, healed)
+    dependency = group_max_dependency(limits.dependency, first, last)
+    return GroupChoice(group, dependency, width, stopped, healed, limits.ffns(first, last))
 
 
 # ---------------------------------------------------------------------------------------------- norm mode

@@ -223,12 +223,14 @@ class BlockRunner:
 
     def run_block(self, k: int, stream: np.ndarray) -> np.ndarray:
         """Block k's output stream for input `stream` (side tensors from the last capture)."""
+        if self.cuts[k].proto is None:  # an identity block
+            return np.array(stream)
         if self.streaming and self.large_ffn_bytes is not None:
             block = self.blocks[k]
-            if ffn_weight_bytes(block) > self.large_ffn_bytes:
+            if block.ffn is not None and ffn_weight_bytes(block) > self.large_ffn_bytes:
                 # A fused group's block can hold a whole group of weights: evaluate its FFN in float64
                 # from its weights a row block at a time (passes/reference.py) instead of loading them.
-                x = self.run_attention(k, stream) if block.attention else stream
+                x = self.run_attention(k, stream) if block.attention_kind != "none" else stream
                 return parallel_sum(x, [block], "last").astype(stream.dtype)
         cut = self.cuts[k]
         feed = {cut.input_name: stream, **{n: self.side[n] for n in cut.side_inputs}}

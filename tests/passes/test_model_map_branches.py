@@ -1,5 +1,6 @@
-"""Every residual branch in the model map (passes/model_map.py): kinds in stream order, blocks derived from
-them, and a Linear-replaced attention or FFN (nemotron-nas replace_with_linear) as a fusion barrier."""
+"""Every residual branch in the model map (passes/model_map.py): kinds in stream order, one block per source
+layer derived from them, and a Linear-replaced attention or FFN (nemotron-nas replace_with_linear) as a
+fusion barrier."""
 
 from __future__ import annotations
 
@@ -49,25 +50,30 @@ def test_every_branch_in_stream_order(linear_nemotron) -> None:
         assert branch.projection in branch.nodes  # the body (branch_nodes) ends in its projection
         linears = [n for n in branch.nodes if is_linear(n)]
         assert len(linears) == {"attention": 4, "ffn": 3, "linear": 1}[branch.kind]
-    # The blocks are the "ffn" branches; each starts where the previous one ends (barriers included).
+    # One block per source layer (numbered as the checkpoint numbers its layers), each starting where the
+    # previous one ends; layer 3's Linear FFN is block 3's FFN part, not a barrier before block 4.
     blocks = model_map.blocks
+    assert [b.index for b in blocks] == list(range(len(LAYERS)))
+    assert [b.layer_name for b in blocks] == [f"model.layers.{i}" for i in range(len(LAYERS))]
     ffns = [b.residual.node for b in model_map.branches if b.kind == "ffn"]
-    assert [b.residual.node for b in blocks] == ffns
-    assert [b.attention for b in blocks] == [True, False, False, False, True, False, False]
-    assert [b.barrier is not None for b in blocks] == [False, False, True, True, False, False, False]
+    assert [b.residual.node for b in blocks if b.ffn is not None] == ffns
+    assert [b.attention_kind for b in blocks] == ["attention", "none", "linear", "none", "none", "attention",
+                                                  "none", "none"]
+    assert [b.ffn_kind for b in blocks] == ["swiglu"] * 3 + ["linear"] + ["swiglu"] * 4
+    assert [b.kv_heads for b in blocks if b.attention] == [2, 1]
     assert "model.layers.2" in blocks[2].barrier and "one-Linear" in blocks[2].barrier
-    assert "model.layers.3" in blocks[3].barrier
+    assert "model.layers.3" in blocks[3].ffn_what and blocks[3].barrier is None
     for k in range(1, len(blocks)):
-        assert blocks[k].block_input is blocks[k - 1].residual.output
+        assert blocks[k].block_input is blocks[k - 1].output
 
 
 @pytest.mark.parametrize("group", [[1, 2], [2, 3], [1, 4]])
 def test_plan_may_not_span_a_linear_branch(linear_nemotron, group) -> None:
     blocks = build_model_map(load_model(linear_nemotron[1])).blocks
-    with pytest.raises(UserError, match=r"spans a branch fusion cannot cross: block [23] follows residual "
-                       r"branch \d+ \[linear\] \(model\.layers\.[23]\), a one-Linear branch"):
+    refused = r"spans a branch fusion cannot cross: block [23](?: follows|'s FFN is) residual branch "
+    with pytest.raises(UserError, match=refused + r"\d+ \[linear\] \(model\.layers\.[23]\), a one-Linear "):
         validate_plan(parse_plan({"groups": [group]}), list(blocks))
-    validate_plan(parse_plan({"groups": [[5, 6]]}), list(blocks))  # attention-free, barrier-free: fine
+    validate_plan(parse_plan({"groups": [[6, 7]]}), list(blocks))  # attention-free, barrier-free: fine
 
 
 def test_cli_refuses_a_group_across_a_linear_branch(tool, linear_nemotron, tmp_path) -> None:
@@ -116,8 +122,8 @@ def test_linear_branch_shards_row_parallel(linear_nemotron, tmp_path, tp) -> Non
 
 def test_show_blocks_marks_linear_barriers(tool, linear_nemotron) -> None:
     result = tool("fuse_onnx", linear_nemotron[1], "--show-blocks", check=True)
-    assert "stream: A-LLA--" in result.stdout
-    assert "attention-free runs: 5-6 (2 blocks)" in result.stdout  # 1-3 would cross the Linear branches
+    assert "stream: A-L--A--" in result.stdout and "ffns:   FFFLFFFF" in result.stdout
+    assert "attention-free runs: 6-7 (2 blocks)" in result.stdout  # 1-4 would cross the Linear branches
 
 
 def test_analyze_never_proposes_across_a_linear_branch(tool, linear_nemotron, tmp_path) -> None:
@@ -131,5 +137,5 @@ def test_analyze_never_proposes_across_a_linear_branch(tool, linear_nemotron, tm
     args = ("--tokens", ids, "--num-tokens", 18, "--window", 9, "--threshold", 100, "--norm", "last")
     result = tool("analyze", linear_nemotron[1], "--out", out, *args, check=True)
     groups = json.loads((out / "plan.json").read_text())["groups"]
-    barriers = {2, 3}  # blocks preceded by a Linear branch; 0 and 4 have attention
-    assert all(not (barriers | {0, 4}) & set(range(i + 1, j + 1)) for i, j in groups), result.stdout
+    # Block 2 has a Linear attention, block 3 a Linear FFN (in no group at all), 0 and 5 have attention.
+    assert all(not {0, 2, 3, 5} & set(range(i + 1, j + 1)) and i != 3 for i, j in groups), result.stdout
