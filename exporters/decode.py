@@ -4,10 +4,10 @@ Graph interface (all dims but kv_heads, head_dim and vocab are dynamic):
 
     inputs   input_ids        int64   [batch, seq]
              attention_mask   int64   [batch, past_len + seq]   1 = real token, 0 = (left) padding
-             past_key_<L>     float32 [batch, kv_heads, past_len, head_dim]   for attention layers L only
-             past_value_<L>   float32 [batch, kv_heads, past_len, head_dim]
+             past_key_<L>     float32 [batch, kv_heads_L, past_len, head_dim]   for GQA layers L only
+             past_value_<L>   float32 [batch, kv_heads_L, past_len, head_dim]
     outputs  logits           float32 [batch, seq, vocab]
-             present_key_<L>  float32 [batch, kv_heads, past_len + seq, head_dim]   (past ++ new keys)
+             present_key_<L>  float32 [batch, kv_heads_L, past_len + seq, head_dim]   (past ++ new keys)
              present_value_<L>
 
 Past tensors come in layer order, key before value. `past_len` may be 0 (prefill from an empty cache).
@@ -17,10 +17,15 @@ own first real token. A query attends to cache slots that are not padding and no
 Attention-free blocks (DeciLM / Puzzle) have no cache tensors at all: the paper's halved KV memory.
 Layer numbers L are the source model's block indices (they stay the same after fusion).
 
+Layer kinds (exporters.decode_spec; a plain ModelSpec has only the first two): GQA with a cache, no
+attention, and for Nemotron-NAS / Puzzle checkpoints each GQA layer with its own KV-head count
+(`kv_heads_L`), attention replaced by one Linear (`self_attn.linear_attn`, no cache), the FFN replaced by
+one Linear (`mlp.linear_mlp`) or absent.
+
 The wrapper subclasses exporters.llama's SpecLlama, Backbone, DecoderBlock and Attention, so it keeps
 their parameter names (model.layers.N.self_attn.q_proj, ...): a SpecLlama's or a Hugging Face Llama's
 state dict loads as is, and the residual stream (embedding Gather -> residual Adds -> final norm) is the
-one passes.blocks walks in the prefill-only export.
+one passes.model_map walks in the prefill-only export.
 """
 
 from __future__ import annotations
@@ -29,20 +34,21 @@ import json
 import os
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import onnx_ir as ir
 import torch
 from torch import nn
 
-from exporters.llama import Attention, Backbone, DecoderBlock, SpecLlama, build_model
+from exporters.decode_spec import cache_kv_heads, cache_layers, kinds_of
+from exporters.llama import MLP, Attention, Backbone, DecoderBlock, RMSNorm, SpecLlama, build_model
 from exporters.onnx_export import EXTERNAL_DATA_THRESHOLD, dynamo_export, save_export
 from exporters.spec import BlockSpec, ModelSpec
 
 # Metadata key of the decode graph description (JSON); fusion keeps model metadata.
 METADATA_KEY = "ffn_fusion.decode"
-FORMAT = "ffn-fusion-decode/1"
+FORMAT = "ffn-fusion-decode/2"  # /2: kv_heads lists each cached layer's count
 # Tracing example: batch 2, 7 new tokens after 3 cached ones (no dim 0 or 1, so none is specialized).
 EXAMPLE_BATCH, EXAMPLE_SEQ, EXAMPLE_PAST = 2, 7, 3
 PRUNED_BLOCKS: tuple[int, ...] = tuple(range(13, 23))
@@ -78,21 +84,68 @@ class CachedAttention(Attention):
         return self.attend(q, k_all, v_all, step.bias), k_all, v_all
 
 
+class LinearAttention(nn.Module):
+    """A Nemotron-NAS attention replaced by one hidden x hidden Linear (`self_attn.linear_attn`): no cache."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.linear_attn = nn.Linear(hidden, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_attn(x)
+
+
+class LinearMLP(nn.Module):
+    """A Nemotron-NAS FFN replaced by one hidden x hidden Linear (`mlp.linear_mlp`)."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.linear_mlp = nn.Linear(hidden, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_mlp(x)
+
+
 class CachedBlock(DecoderBlock):
-    """exporters.llama.DecoderBlock with a cache: same parameter names, attention optional."""
+    """exporters.llama.DecoderBlock with a cache: same parameter names. Its LayerKind (exporters.decode_spec)
+    picks the parts: GQA attention with the layer's own KV heads (cached), a Linear or nothing in the
+    attention slot; a SwiGLU FFN, a Linear or nothing in the FFN slot."""
 
     attention_class = CachedAttention
+
+    def __init__(self, spec: ModelSpec, index: int) -> None:
+        nn.Module.__init__(self)  # not DecoderBlock's: the parts depend on the layer kind
+        kind = kinds_of(spec)[index]
+        self.attention, self.ffn = kind.attention, kind.ffn
+        self.has_attention = kind.attention != "none"
+        self.cached = kind.attention == "gqa"
+        if kind.attention != "none":
+            self.input_layernorm = RMSNorm(spec.hidden, spec.eps)
+        if kind.attention == "gqa":
+            self.self_attn = self.attention_class(replace(spec, kv_heads=kind.kv_heads))
+        elif kind.attention == "linear":
+            self.self_attn = LinearAttention(spec.hidden)
+        if kind.ffn != "none":
+            self.post_attention_layernorm = RMSNorm(spec.hidden, spec.eps)
+        if kind.ffn == "swiglu":
+            self.mlp = MLP(spec.hidden, spec.blocks[index].ffn_width)
+        elif kind.ffn == "linear":
+            self.mlp = LinearMLP(spec.hidden)
 
     def forward(
         self, x: torch.Tensor, step: AttentionInputs, past: tuple[torch.Tensor, torch.Tensor] | None
     ) -> tuple[torch.Tensor, tuple | None]:
         present = None
-        if self.has_attention:
+        if self.cached:
             assert past is not None
             attn, k_all, v_all = self.self_attn(self.input_layernorm(x), step, past)
             x = x + attn
             present = (k_all, v_all)
-        return x + self.mlp(self.post_attention_layernorm(x)), present
+        elif self.attention == "linear":
+            x = x + self.self_attn(self.input_layernorm(x))
+        if self.ffn != "none":
+            x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, present
 
 
 class CachedBackbone(Backbone):
@@ -106,7 +159,7 @@ class DecodeLlama(SpecLlama):
 
     @property
     def cache_layers(self) -> list[int]:
-        return [i for i, b in enumerate(self.spec.blocks) if b.attention]
+        return cache_layers(self.spec)
 
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *past: torch.Tensor
@@ -129,7 +182,7 @@ class DecodeLlama(SpecLlama):
         presents: list[torch.Tensor] = []
         cache = iter(past)
         for layer in self.model.layers:
-            layer_past = (next(cache), next(cache)) if layer.has_attention else None
+            layer_past = (next(cache), next(cache)) if layer.cached else None
             x, present = layer(x, step, layer_past)
             if present is not None:
                 presents.extend(present)
@@ -181,10 +234,55 @@ def spec_from_hf(model: nn.Module) -> ModelSpec:
     )
 
 
-def empty_past(spec: ModelSpec, batch: int, past_len: int = 0) -> list[torch.Tensor]:
-    """Zero past tensors for every attention layer, key then value."""
-    shape = (batch, spec.kv_heads, past_len, spec.resolved_head_dim)
-    return [torch.zeros(shape) for b in spec.blocks if b.attention for _ in range(2)]
+def empty_past(
+    spec: ModelSpec, batch: int, past_len: int = 0, device: str | torch.device | None = None
+) -> list[torch.Tensor]:
+    """Zero past tensors for every cached layer (its own KV heads), key then value."""
+    dim = spec.resolved_head_dim
+    heads = cache_kv_heads(spec)
+    return [torch.zeros((batch, kv, past_len, dim), device=device) for kv in heads for _ in range(2)]
+
+
+@dataclass(frozen=True)
+class TraceInputs:
+    """The example inputs, names and dynamic shapes torch.onnx traces a DecodeLlama with."""
+
+    args: tuple
+    input_names: list[str]
+    output_names: list[str]
+    dynamic_shapes: tuple
+
+
+def trace_inputs(spec: ModelSpec, device: str | torch.device | None = None) -> TraceInputs:
+    """Batch 2, 7 new tokens after 3 cached ones (no dim 0 or 1, so none is specialized)."""
+    ids = torch.zeros((EXAMPLE_BATCH, EXAMPLE_SEQ), dtype=torch.int64, device=device)
+    mask = torch.ones((EXAMPLE_BATCH, EXAMPLE_PAST + EXAMPLE_SEQ), dtype=torch.int64, device=device)
+    past = empty_past(spec, EXAMPLE_BATCH, EXAMPLE_PAST, device)
+    layers = cache_layers(spec)
+    # forward(*past) takes the past tensors as one tuple argument: its dynamic shapes are a tuple too.
+    dynamic = (
+        {0: "batch", 1: "seq"},
+        {0: "batch", 1: "total"},
+        tuple({0: "batch", 2: "past_len"} for _ in past),
+    )
+    return TraceInputs(
+        (ids, mask, *past),
+        ["input_ids", "attention_mask", *[n for i in layers for n in past_names(i)]],
+        ["logits", *[n for i in layers for n in present_names(i)]],
+        dynamic,
+    )
+
+
+def describe(spec: ModelSpec) -> dict:
+    """The `ffn_fusion.decode` metadata: cached layers and each one's KV heads (they may differ per layer)."""
+    return {
+        "format": FORMAT,
+        "cache_layers": cache_layers(spec),
+        "kv_heads": cache_kv_heads(spec),
+        "head_dim": spec.resolved_head_dim,
+        "vocab": spec.vocab,
+        "n_blocks": spec.n_blocks,
+    }
 
 
 # ------------------------------------------------------------------------------------------ exporting
@@ -221,40 +319,21 @@ def export_decode(
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     model.eval()
-    spec, layers = model.spec, model.cache_layers
-    ids = torch.zeros((EXAMPLE_BATCH, EXAMPLE_SEQ), dtype=torch.int64)
-    mask = torch.ones((EXAMPLE_BATCH, EXAMPLE_PAST + EXAMPLE_SEQ), dtype=torch.int64)
-    past = empty_past(spec, EXAMPLE_BATCH, EXAMPLE_PAST)
-    inputs = ["input_ids", "attention_mask", *[n for i in layers for n in past_names(i)]]
-    outputs = ["logits", *[n for i in layers for n in present_names(i)]]
-    # forward(*past) takes the past tensors as one tuple argument: its dynamic shapes are a tuple too.
-    dynamic = (
-        {0: "batch", 1: "seq"},
-        {0: "batch", 1: "total"},
-        tuple({0: "batch", 2: "past_len"} for _ in past),
-    )
+    spec = model.spec
+    example = trace_inputs(spec)
     start = time.perf_counter()
     program = dynamo_export(
         model,
-        (ids, mask, *past),
+        example.args,
         opset=opset,
         optimize=True,
-        input_names=inputs,
-        output_names=outputs,
-        dynamic_shapes=dynamic,
+        input_names=example.input_names,
+        output_names=example.output_names,
+        dynamic_shapes=example.dynamic_shapes,
     )
     onnx_model = program.model
     _name_dims(onnx_model)
-    onnx_model.metadata_props[METADATA_KEY] = json.dumps(
-        {
-            "format": FORMAT,
-            "cache_layers": layers,
-            "kv_heads": spec.kv_heads,
-            "head_dim": spec.resolved_head_dim,
-            "vocab": spec.vocab,
-            "n_blocks": spec.n_blocks,
-        }
-    )
+    onnx_model.metadata_props[METADATA_KEY] = json.dumps(describe(spec))
     files = save_export(onnx_model, path, external_data_threshold)
     return DecodeExport(
         path=path,
@@ -262,7 +341,7 @@ def export_decode(
         bytes=sum(f.stat().st_size for f in files),
         seconds=time.perf_counter() - start,
         spec=spec,
-        cache_layers=layers,
+        cache_layers=model.cache_layers,
     )
 
 

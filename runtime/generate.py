@@ -3,7 +3,9 @@
 The graph conventions are those of exporters/decode.py: inputs input_ids, attention_mask and
 past_key_<L>/past_value_<L>; outputs logits and present_key_<L>/present_value_<L>. What each input means
 comes from passes.graph_inputs, so Optimum / ONNX Runtime GenAI graphs (past_key_values.N.key|value ->
-present.N.key|value, position_ids) run too; position_ids are fed as cumsum(attention_mask) - 1. A graph
+present.N.key|value, position_ids) run too; position_ids are fed as cumsum(attention_mask) - 1. Each
+cache's shape comes from its own input, so layers may differ in KV heads (Puzzle checkpoints' variable
+GQA) and attention-free or Linear-attention layers simply have no cache. A graph
 without cache inputs (a prefill-only export) also works: every step then re-runs the whole sequence (no
 cache, equal-length prompts only unless it takes an attention_mask).
 

@@ -126,8 +126,7 @@ def export_hf_folder(args: argparse.Namespace) -> int:
     print(f"  blocks: {len(config.layers)}, with attention: {sum(config.attention_flags)}")
     print(f"  attention-free runs: {format_runs(attention_free_runs(config.attention_flags))}")
     if args.decode:
-        cached = [i not in result.cache_layers for i in range(len(config.layers))]  # runs of cached layers
-        print(f"  decode graph: KV cache for layers {format_runs(attention_free_runs(cached))}")
+        print(f"  decode graph: {hf_checkpoint.describe_caches(result)}")
     print(f"  parameters: {result.parameters:,}")
     print(f"  time: graph {result.trace_seconds:.1f} s, weights {result.write_seconds:.1f} s")
     return 0

@@ -48,8 +48,8 @@ from passes.io.staging import commit_output, staged_output
 if TYPE_CHECKING:  # onnx_ir (~1.5 s to import) and torch (--decode only) load once the weight copy runs
     import onnx_ir as ir
 
+    from exporters.decode_spec import DecodeSpec
     from exporters.hf import model as hf_model
-    from exporters.spec import ModelSpec
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -250,7 +250,15 @@ class HfExportResult(ExportResult):
     layer_kinds: list[str] = field(default_factory=list)
     trace_seconds: float = 0.0  # building the graph (for --decode: importing torch, tracing, optimizing)
     write_seconds: float = 0.0  # streaming the weights into the data file (from the start, at the same time)
-    cache_layers: list[int] = field(default_factory=list)  # decode graphs: the layers with a KV cache
+    cache_layers: list[int] = field(default_factory=list)  # decode graphs: the layers with a KV cache (GQA)
+
+
+def describe_caches(result: HfExportResult) -> str:
+    """'KV caches (layer: KV heads): 0: 2, 2: 1, 5: 4' for a decode export (heads may differ per layer)."""
+    if not result.cache_layers:
+        return "no KV cache (no softmax attention)"
+    pairs = ", ".join(f"{i}: {result.config.layers[i].kv_heads}" for i in result.cache_layers)
+    return f"KV caches (layer: KV heads): {pairs}"
 
 
 def check_folder(
@@ -277,9 +285,9 @@ def export_hf(
     """Export the checkpoint in `folder` to `output` (+ `<output>.data` and the side files beside it).
 
     `dtype` (float32 | float16 | bfloat16) defaults to the checkpoint's torch_dtype. `decode` writes the
-    KV-cache decode graph of exporters/decode.py instead (float32; see hf_config.decode_spec for what it
-    covers). Raises UserError for bad input before anything is written. The prefill export never imports
-    torch.
+    KV-cache decode graph of exporters/decode.py instead (float32; one cache per softmax-attention layer,
+    with that layer's KV heads; see exporters.hf.config.decode_spec for what it covers). Raises UserError
+    for bad input before anything is written. The prefill export never imports torch.
     """
     start = time.perf_counter()
     folder, output = Path(folder), Path(output)
@@ -335,13 +343,13 @@ def export_hf(
         layer_kinds=layer_kinds(config),
         trace_seconds=trace_seconds,
         write_seconds=write_seconds,
-        cache_layers=[i for i, a in enumerate(spec.attention_flags) if a] if spec is not None else [],
+        cache_layers=spec.cache_layers if spec is not None else [],
     )
 
 
 def build_graph(
     config: HfConfig,
-    spec: ModelSpec | None,
+    spec: DecodeSpec | None,
     sources: dict[str, WeightSource],
     dtype: str,
     opset: int | None,

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from exporters.spec import BlockSpec, ModelSpec, ffn_width
+from exporters.decode_spec import DecodeSpec, LayerKind
+from exporters.spec import BlockSpec, ffn_width
 from passes.errors import UserError
 
 LLAMA_FAMILY = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
@@ -414,24 +415,15 @@ def layer_kinds(config: HfConfig) -> list[str]:
     return kinds
 
 
-def decode_spec(config: HfConfig) -> ModelSpec:
-    """The exporters.decode ModelSpec of this checkpoint, or UserError naming what the decode graph lacks.
+def decode_spec(config: HfConfig) -> DecodeSpec:
+    """The exporters.decode spec of this checkpoint, or UserError naming what the decode graph lacks.
 
-    The decode graph (exporters/decode.py) has one KV-head count, no biases, an FFN in every block, full
-    causal attention, float32 caches and rotary embeddings from fixed frequencies (default, linear, llama3).
+    Every Nemotron-NAS layer kind is covered: GQA with per-layer KV heads (one cache per such layer, with
+    its own head count), attention no_op or one Linear (no cache), SwiGLU of per-layer width, FFN no_op or
+    one Linear. Not covered: attention biases, sliding windows, and rotary types other than the fixed-
+    frequency ones (default, linear, llama3); the graph and its caches are float32.
     """
     where = f"{config.path}: --decode"
-    attention = [layer for layer in config.layers if layer.attention == "gqa"]
-    if any(layer.attention == "linear" for layer in config.layers):
-        raise UserError(f"{where} does not support attention replace_with_linear (block_configs)")
-    if any(layer.ffn != "swiglu" for layer in config.layers):
-        raise UserError(
-            f"{where} needs a SwiGLU FFN in every layer (block_configs: ffn no_op/replace_with_linear)"
-        )
-    if len({layer.kv_heads for layer in attention}) > 1:
-        raise UserError(
-            f"{where} needs one KV-head count for all layers (block_configs n_heads_in_group varies)"
-        )
     if config.qkv_bias or config.o_bias:
         raise UserError(f"{where} does not support attention biases (attention_bias / Qwen2)")
     if any(layer.sliding_window for layer in config.layers):
@@ -440,16 +432,22 @@ def decode_spec(config: HfConfig) -> ModelSpec:
         raise UserError(
             f"{where} supports rope types default, linear and llama3, not {config.rope.rope_type!r}"
         )
-    blocks = [BlockSpec(layer.attention == "gqa", layer.ffn_width) for layer in config.layers]
-    kv_heads = attention[0].kv_heads if attention else config.heads
-    return ModelSpec(
+    # ffn_width is read for SwiGLU only; a Linear or absent FFN carries the hidden size as a placeholder.
+    blocks = [
+        BlockSpec(layer.attention != "none", layer.ffn_width if layer.ffn == "swiglu" else config.hidden)
+        for layer in config.layers
+    ]
+    kinds = [LayerKind(layer.attention, layer.kv_heads, layer.ffn) for layer in config.layers]
+    cached = [layer.kv_heads for layer in config.layers if layer.attention == "gqa"]
+    return DecodeSpec(
         hidden=config.hidden,
         heads=config.heads,
-        kv_heads=kv_heads,
+        kv_heads=cached[0] if cached else config.heads,
         vocab=config.vocab,
         blocks=blocks,
         eps=config.eps,
         rope_theta=config.rope.theta,
         tie_embeddings=config.tie_embeddings,
         head_dim=config.head_dim,
+        kinds=kinds,
     )

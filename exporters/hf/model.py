@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 from exporters import decode
+from exporters.decode_spec import DecodeSpec
 from exporters.hf.config import HfConfig
 from exporters.hf.rope import rope_parameters
-from exporters.spec import ModelSpec
 
 
 def parameter_aliases(model: nn.Module) -> dict[str, list[str]]:
@@ -47,43 +47,25 @@ class Traceable:
     metadata: dict[str, str] = field(default_factory=dict)
 
 
-def decode_traceable(config: HfConfig, spec: ModelSpec) -> Traceable:
-    """exporters.decode's DecodeLlama (float32, KV cache for attention layers), on the meta device.
+def decode_traceable(config: HfConfig, spec: DecodeSpec) -> Traceable:
+    """exporters.decode's DecodeLlama (float32), on the meta device. `spec` (exporters.hf.config.decode_spec,
+    an exporters.decode_spec.DecodeSpec) gives each layer its kind: GQA with its own KV heads and a cache,
+    a Linear or nothing for attention; SwiGLU, a Linear or nothing for the FFN.
 
     Its rotary frequencies are this checkpoint's (linear and llama3 scaling are fixed frequencies).
     """
 
     with torch.device("meta"):
         model = decode.DecodeLlama(spec).eval()
-    batch, seq, past_len = decode.EXAMPLE_BATCH, decode.EXAMPLE_SEQ, decode.EXAMPLE_PAST
-    ids = torch.zeros((batch, seq), dtype=torch.int64, device="meta")
-    mask = torch.ones((batch, past_len + seq), dtype=torch.int64, device="meta")
-    shape = (batch, spec.kv_heads, past_len, spec.resolved_head_dim)
-    past = [torch.zeros(shape, device="meta") for b in spec.blocks if b.attention for _ in range(2)]
-    layers = model.cache_layers
-    inputs = ["input_ids", "attention_mask", *[n for i in layers for n in decode.past_names(i)]]
-    outputs = ["logits", *[n for i in layers for n in decode.present_names(i)]]
-    dynamic = (
-        {0: "batch", 1: "seq"},
-        {0: "batch", 1: "total"},
-        tuple({0: "batch", 2: "past_len"} for _ in past),
-    )
+    example = decode.trace_inputs(spec, device="meta")
     inv_freq, _ = rope_parameters(config.rope, config.head_dim)
-    description = {
-        "format": decode.FORMAT,
-        "cache_layers": layers,
-        "kv_heads": spec.kv_heads,
-        "head_dim": spec.resolved_head_dim,
-        "vocab": spec.vocab,
-        "n_blocks": spec.n_blocks,
-    }
     return Traceable(
         model,
-        (ids, mask, *past),
-        inputs,
-        outputs,
-        dynamic,
+        example.args,
+        example.input_names,
+        example.output_names,
+        example.dynamic_shapes,
         {"model.inv_freq": inv_freq},
         decode._name_dims,
-        {decode.METADATA_KEY: json.dumps(description)},
+        {decode.METADATA_KEY: json.dumps(decode.describe(spec))},
     )

@@ -222,10 +222,13 @@ def _has_tokenizer(folder: Path) -> bool:
 
 def load_tokenizer(folder: Path, vocab: int | None) -> Any:
     if _has_tokenizer(folder):
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer, PreTrainedConfig
 
+        # A config.json naming the model's own code (auto_map: DeciLM / nemotron-nas) makes AutoTokenizer
+        # ask on stdin to run it, then fail on the bare config; the tokenizer never needs that code.
+        custom = {"config": PreTrainedConfig()} if "auto_map" in _read_json(folder / "config.json") else {}
         try:
-            return AutoTokenizer.from_pretrained(str(folder))
+            return AutoTokenizer.from_pretrained(str(folder), **custom)
         except (OSError, ValueError) as exc:
             raise UserError(f"cannot load the tokenizer in {folder}: {exc}") from None
     from runtime.text_sets import tokenizer_for

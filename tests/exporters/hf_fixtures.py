@@ -4,6 +4,9 @@
   transformers' own `save_pretrained` (sharded with an index when `max_shard_size` is given).
 - nemotron-nas (DeciLM) checkpoints in the published layout: exporters.hf.synthetic (re-exported here;
   tools/bench_export.py uses it too).
+- `puzzle_models`: one tiny checkpoint with every Puzzle layer kind (PUZZLE_BLOCKS) and its exports
+  (prefill graph, decode graph, TP 2 decode folder), made once per session and shared by
+  tests/exporters, tests/runtime and tests/runtime/tp.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Any
 
 import torch
 
+from exporters.hf.checkpoint import export_hf
 from exporters.hf.synthetic import (  # noqa: F401  (re-exported for the tests)
     LLAMA3_ROPE,
     deci_block,
@@ -21,6 +25,50 @@ from exporters.hf.synthetic import (  # noqa: F401  (re-exported for the tests)
     nemotron_shapes,
     write_nemotron,
 )
+from passes.shard import shard_file
+from tests.serve_fixtures import save_tokenizer
+
+# Every Puzzle layer kind in six layers (hidden 128, 8 heads of 16): GQA with 2, 1 and 4 KV heads (variable
+# GQA: caches of three shapes), attention no_op (1, 4), attention replaced by a Linear (3), FFN no_op (2),
+# FFN replaced by a Linear (4), SwiGLU of widths 256 and 512.
+PUZZLE_BLOCKS = [
+    deci_block(4, 1.0),
+    deci_block("no_op", 5.25),
+    deci_block(8, "no_op"),
+    deci_block("linear", 1.0),
+    deci_block("no_op", "linear"),
+    deci_block(2, 0.5),
+]
+PUZZLE_CACHE_HEADS = {0: 2, 2: 1, 5: 4}  # cached layer -> its KV heads
+PUZZLE_VOCAB = 96
+PUZZLE_ROPE = {**LLAMA3_ROPE, "original_max_position_embeddings": 16}  # short, so that scaling shows
+
+
+def puzzle_models(base: Path, name: str) -> Path:
+    """The Puzzle checkpoint (`name` "ckpt": bf16 shards, a word-level tokenizer) or, exported from it,
+    "prefill" (float32 graph), "decode" (decode graph) or "decode_tp2" (the decode graph sharded for 2
+    ranks). Each is made on first use under `base/puzzle_models`."""
+    folder = base / "puzzle_models"
+    paths = {
+        "ckpt": folder / "ckpt",
+        "prefill": folder / "prefill" / "model.onnx",
+        "decode": folder / "decode" / "model.onnx",
+        "decode_tp2": folder / "decode_tp2",
+    }
+    path = paths[name]
+    if path.exists():
+        return path
+    if name == "ckpt":
+        config = nemotron_config(
+            PUZZLE_BLOCKS, hidden=128, heads=8, vocab=PUZZLE_VOCAB, rope_scaling=PUZZLE_ROPE, rope_theta=1e4
+        )
+        write_nemotron(path, config, shards=2, seed=3)
+        save_tokenizer(path, PUZZLE_VOCAB)
+    elif name in ("prefill", "decode"):
+        export_hf(puzzle_models(base, "ckpt"), path, dtype="float32", decode=name == "decode")
+    else:
+        shard_file(puzzle_models(base, "decode"), 2, path, progress=False)
+    return path
 
 
 def save_llama_family(

@@ -50,8 +50,8 @@ NEMOTRON_BLOCKS = [
     deci_block("no_op", 2.625),
 ]
 # A second, smaller checkpoint without Linear replacements (passes.shard cannot shard a one-Linear branch):
-# KV heads 4, 1 and 2 of 8, a no_op FFN, tied embeddings. Blocks: 0, 1-2 free, 3 (layer 3's attention with
-# layer 4's FFN), 4.
+# KV heads 4, 1 and 2 of 8, a no_op FFN, tied embeddings. Blocks (= layers): 0, 1-2 free, 3 (attention, no
+# FFN), 4 free, 5.
 SHARDABLE_BLOCKS = [
     deci_block(2, 2.625),
     deci_block("no_op", 1.0),
@@ -62,8 +62,8 @@ SHARDABLE_BLOCKS = [
 ]
 SHARDABLE_PLAN = {"groups": [[1, 2]], "norm": "fold"}
 NEMOTRON_ROPE = {**LLAMA3_ROPE, "original_max_position_embeddings": 16}  # short, so that scaling shows
-# Blocks as passes.blocks numbers them (layers 4 and 7 have no SwiGLU FFN): 1-3 and 7-8 are attention-free.
-NEMOTRON_PLAN = {"groups": [[1, 3], [7, 8]], "norm": "fold"}
+# Block numbers are the layer indices (docs/design.md §2): 1-3 and 9-10 are attention-free SwiGLU runs.
+NEMOTRON_PLAN = {"groups": [[1, 3], [9, 10]], "norm": "fold"}
 LLAMA_PLAN = {"groups": [[1, 3]], "norm": "last"}
 
 
@@ -426,18 +426,12 @@ DECODE_BLOCKS = [
 def prefill_then_decode(path: Path, ids: np.ndarray, prefill: int) -> np.ndarray:
     """Logits of ids[:, :prefill] from an empty cache, then of the rest from the returned cache."""
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    names = [i.name for i in session.get_inputs()][2:]
-    meta = json.loads(
-        {p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props}[
-            "ffn_fusion.decode"
-        ]
-    )
-    shape = (ids.shape[0], meta["kv_heads"], 0, meta["head_dim"])
-    past = {n: np.zeros(shape, np.float32) for n in names}
+    pasts = session.get_inputs()[2:]
+    past = {i.name: np.zeros((ids.shape[0], i.shape[1], 0, i.shape[3]), np.float32) for i in pasts}
     first = session.run(
         None, {"input_ids": ids[:, :prefill], "attention_mask": np.ones_like(ids[:, :prefill]), **past}
     )
-    cache = dict(zip(names, first[1:], strict=True))
+    cache = dict(zip(past, first[1:], strict=True))
     second = session.run(None, {"input_ids": ids[:, prefill:], "attention_mask": np.ones_like(ids), **cache})
     return np.concatenate([first[0], second[0]], axis=1)
 
@@ -466,14 +460,18 @@ def test_decode_graph_nemotron_matches_reference(tmp_path) -> None:
     assert np.abs(got - expected).max() <= TOLERANCE * max(1.0, np.abs(expected).max())
 
 
-def test_decode_refuses_what_the_decode_graph_lacks(nemotron_folder, tmp_path) -> None:
+def test_decode_refuses_what_the_decode_graph_lacks(tmp_path) -> None:
     from passes.errors import UserError
 
-    with pytest.raises(UserError, match="replace_with_linear"):
-        export_hf(nemotron_folder, tmp_path / "m.onnx", decode=True)
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+    config = nemotron_config(DECODE_BLOCKS, hidden=64, heads=4, vocab=VOCAB, rope_scaling=yarn)
+    folder = write_nemotron(tmp_path / "ckpt", config, shards=1)
+    out = tmp_path / "out"
+    with pytest.raises(UserError, match="rope types default, linear and llama3, not 'yarn'"):
+        export_hf(folder, out / "m.onnx", decode=True)
     with pytest.raises(UserError, match="float32"):
-        export_hf(nemotron_folder, tmp_path / "m.onnx", decode=True, dtype="bfloat16")
-    assert not any(tmp_path.iterdir())
+        export_hf(folder, out / "m.onnx", decode=True, dtype="bfloat16")
+    assert not out.exists()
 
 
 # ------------------------------------------------------------------------------------------ the folder
@@ -546,11 +544,13 @@ def _block_table(tool, path: Path) -> list[dict]:
 
 def test_nemotron_block_table(tool, nemotron_fp32) -> None:
     rows = _block_table(tool, nemotron_fp32)
-    # passes.blocks sees the 9 SwiGLU FFNs; layer 4's attention (no FFN) pairs with layer 5's FFN, and the
-    # two Linear replacements are not RMSNorm -> SwiGLU branches.
-    assert [r["ffn_width"] for r in rows] == [512, 256, 1024, 512, 256, 256, 256, 256, 512]
-    assert [r["attention"] for r in rows] == [True, False, False, False, True, False, True, False, False]
-    assert rows[4]["layer"] == "model.layers.5" and rows[6]["layer"] == "model.layers.8"
+    # One block per layer: layer 4 is attention with no FFN, 6 a Linear attention, 7 a Linear FFN.
+    assert [r["ffn_width"] for r in rows] == [512, 256, 1024, 512, 0, 256, 256, 0, 256, 256, 512]
+    assert [i for i, r in enumerate(rows) if r["attention"]] == [0, 4, 8]
+    assert [i for i, r in enumerate(rows) if r["ffn"] != "swiglu"] == [4, 7]
+    assert rows[6]["attention_kind"] == "linear"
+    assert [r["kv_heads"] for r in rows if r["attention"]] == [2, 1, 4]
+    assert [r["layer"] for r in rows] == [f"model.layers.{i}" for i in range(len(NEMOTRON_BLOCKS))]
 
 
 @pytest.mark.parametrize("kind", ["nemotron_linear", "nemotron", "llama"])
