@@ -16,11 +16,16 @@ examples:
   heal.py model.onnx model.fused.onnx -o model.healed.onnx             default calibration text
   heal.py model.onnx model.fused.onnx --calib a.txt b.txt --tokens 4096 --steps 300 -o healed.onnx
   heal.py model.onnx model.fused.onnx --calib ids.npy -o healed.onnx   token ids (any integer .npy)
+  heal.py decode.onnx decode.fused.onnx -o decode.healed.onnx          heal the KV-cache decode graph
+  heal.py decode.onnx decode.fused.onnx --weights-from model.healed.onnx -o decode.healed.onnx
+                                             the prefill graph's healed weights into the decode graph
 
 The plan comes from the fused model's metadata (ffn_fusion.plan); the healed model has the same graph,
 only the fused groups' weights change, and records the healing in ffn_fusion.heal. Default calibration
 text: license texts and Python standard-library modules that tools/evaluate.py never uses; per-group
 held-out errors and the whole-model quality (perplexity, top-1 agreement, KL) use evaluate.py's texts.
+Any graph fuse_onnx.py fuses can be healed (prefill or KV-cache decode, static or dynamic batch); a graph
+that fixes its batch runs that many windows at a time, one that fixes its sequence length sets --window.
 """
 
 
@@ -74,7 +79,23 @@ def options() -> list[tuple[str, dict]]:
                 "help": "held-out tokens per text set for the whole-model quality (0: skip it)",
             },
         ),
-        ("--window", {"type": int, "default": HEAL_DEFAULTS.window, "help": "tokens per window"}),
+        (
+            "--window",
+            {
+                "type": int,
+                "default": HEAL_DEFAULTS.window,
+                "help": "tokens per window (default: the graph's fixed sequence length, else 128)",
+            },
+        ),
+        (
+            "--weights-from",
+            {
+                "type": Path,
+                "metavar": "HEALED",
+                "help": "fit nothing: write the healed weights of HEALED (heal.py's output for another graph "
+                "of the same model and plan, e.g. the prefill graph) into FUSED (e.g. the decode graph)",
+            },
+        ),
         ("--json", {"action": "store_true", "help": "print the report as JSON"}),
         ("--quiet", {"action": "store_true", "help": "no progress messages"}),
     ]
@@ -86,9 +107,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("fused", type=Path, help="the fused model (fuse_onnx.py output)")
     parser.add_argument("-o", "--output", type=Path, required=True, help="the healed model to write")
     add_options(parser, options())
-    args = parse(parser, argv, "tokens", "window", "heldout_tokens", "batch_tokens")
+    args = parse(parser, argv, "tokens", "heldout_tokens", "batch_tokens")
     if args.steps < 0 or args.eval_tokens < 0 or not args.lr > 0:
         parser.error("--steps and --eval-tokens must be >= 0, --lr > 0")
+    if args.window is not None and args.window < 1:
+        parser.error("--window must be at least 1")
     return args
 
 
@@ -108,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         window=args.window,
         heldout=args.heldout,
         log=(lambda m: None) if quiet else print,
+        weights_from=args.weights_from,
     )
     print(report.text(args.json))
     return 0

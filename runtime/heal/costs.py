@@ -14,7 +14,8 @@ from passes.analysis.runner import BlockRunner
 from runtime.heal.ffn import concatenated
 from runtime.heal.fit import refit_down, relative_squared_error
 from runtime.heal.records import HealConfig
-from runtime.heal.streams import split_windows, token_rows
+from runtime.heal.shapes import RunShape
+from runtime.heal.streams import token_rows
 
 
 @dataclass(frozen=True)
@@ -51,10 +52,12 @@ class HealedCosts:
         # Skip*Normalization graph has no named residual sum of its own (the cut names it).
         self.outputs = [c.output_name for c in self.runner.cuts]
         names = sorted({b.ffn_input.name for b in self.blocks} | set(self.outputs))
+        shape = RunShape.of([model])
+        shape.window(calib.shape[-1])  # a graph with a fixed sequence length: one line naming --window
         self.streams = [
             (held, self.runner.capture(tokens, extra=names, only=True))
             for held, data in ((False, calib), (True, heldout))
-            for tokens in split_windows(data)
+            for tokens in shape.split(data)
         ]
         self.runner.close()
         self.costs: dict[tuple[int, int], GroupCost] = {}

@@ -39,7 +39,8 @@ from runtime.heal.ffn import GroupWeights
 from runtime.heal.fit import fit, relative_squared_error
 from runtime.heal.pair import HealPair, load_pair
 from runtime.heal.records import DEFAULT_CONFIG, GroupHeal, HealConfig, HealResult
-from runtime.heal.streams import CHUNK_WINDOWS, Streams, token_rows
+from runtime.heal.streams import Streams, token_rows
+from runtime.heal.transplant import check_origin, read_healed
 from runtime.heal.write import check_written, save_arrays, write_healed
 
 
@@ -53,15 +54,21 @@ def heal(
     calib_source: str = "",
     log: Callable[[str], None] = lambda message: None,
     pair: HealPair | None = None,
+    weights_from: str | Path | None = None,
 ) -> HealResult:
     """Heal every fused group of `fused` against `original`; write the healed model to `output`
-    (atomically; None: measure only). `calib` and `heldout` are token windows [n, length]."""
+    (atomically; None: measure only). `calib` and `heldout` are token windows [n, length].
+    With `weights_from` (a model heal wrote from another graph of the same model and plan) nothing is
+    fitted: its healed weights are written into `fused` (runtime/heal/transplant.py)."""
     start = time.perf_counter()
     config.check()
     pair = pair or load_pair(original, fused)
     if calib.size == 0 or heldout.size == 0:
         raise UserError("no calibration or held-out tokens")
-    if output is not None and Path(output).resolve() in {Path(p).resolve() for p in (original, fused)}:
+    for tokens in (calib, heldout):
+        pair.shape.window(tokens.shape[-1])  # a graph with a fixed sequence length: one line naming --window
+    inputs = (original, fused) if weights_from is None else (original, fused, weights_from)
+    if output is not None and Path(output).resolve() in {Path(p).resolve() for p in inputs}:
         raise UserError(f"output {output} is an input model; choose another path with -o")
     result = HealResult(
         None,
@@ -73,12 +80,17 @@ def heal(
     )
     target = Path(output) if output is not None else Path(pair.fused).with_name(".heal-measure.onnx")
     with staged_output(target) as staging:
-        saved = _heal_groups(pair, calib, heldout, config, result, staging, log)
+        if weights_from is None:
+            saved = _heal_groups(pair, calib, heldout, config, result, staging, log)
+        else:
+            log(f"taking the healed weights of {weights_from}; checking {pair.fused} against {pair.original}")
+            check_origin(pair, calib[: pair.shape.batch])
+            saved = read_healed(pair, Path(weights_from), result, staging)
         if output is not None:
             staged = staging / target.name
             log(f"writing {target} (+ its external data)")
             write_healed(pair, saved, result, staged)
-            check_written(staged, pair, saved, calib[:CHUNK_WINDOWS])
+            check_written(staged, pair, saved, calib[: pair.shape.batch])
             commit_output(staged, target)
             result.output = target
     result.seconds = time.perf_counter() - start
@@ -97,7 +109,10 @@ def _heal_groups(
     """Fit the groups along the stream, each one's errors appended to `result`: its fitted arrays, saved
     under `staging`."""
     runner = BlockRunner(pair.original)
-    log(f"capturing the original model's streams on {calib.size} + {heldout.size} tokens")
+    log(
+        f"capturing the original model's streams on {calib.size} + {heldout.size} tokens: "
+        + pair.shape.describe(len(calib) + len(heldout))
+    )
     streams = Streams(runner, pair, calib, heldout)
     blocks = pair.original_blocks
     tolerance = max(1e-4, 10 * exactness_tolerance(blocks))
@@ -119,6 +134,7 @@ def _heal_groups(
         x_cal, y_cal = (token_rows([d[id(c)] for c in split[False]]) for d in (xs, ys))
         x_held, y_held = (token_rows([d[id(c)] for c in split[True]]) for d in (xs, ys))
         weights = GroupWeights.read(pair.fused_block((first, last)))
+        start = weights.fingerprint()  # lets heal.py --weights-from find the same start in another graph
         module = weights.module()
         probe = x_cal[:256]
         pair.check_start(blocks[first : last + 1], probe, module.apply(probe), tolerance)
@@ -146,6 +162,7 @@ def _heal_groups(
             heldout_after=after[1],
             seconds=time.perf_counter() - group_start,
             norm_weight=kept,
+            start_sha256=start,
         )
         result.groups.append(heal)
         log(heal.line())

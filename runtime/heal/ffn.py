@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,6 +67,14 @@ class GroupWeights:
         norm = source.const_value.numpy().astype(np.float32)
         return cls(block, gate, up, down, norm, len(source.uses()) == 1 and weight is source)
 
+    def fingerprint(self) -> str:
+        """sha256 of gate, up, down and norm as float32 [in, out]: the same for every graph of one model
+        fused with one plan (prefill or decode, whatever the layout its exporter stored)."""
+        digest = hashlib.sha256()
+        for array in (self.gate, self.up, self.down, self.norm):
+            digest.update(np.ascontiguousarray(array, np.float32).tobytes())
+        return digest.hexdigest()
+
     def module(self) -> FusedFFN:
         module = FusedFFN(self.gate, self.up, self.down, self.norm, self.block.norm.eps)
         # Without a norm weight of its own (fold: unit norm), the scale is left to the rows of gate and up,
@@ -81,7 +90,9 @@ class GroupWeights:
 def concatenated(group: list[Block], mode: str) -> FusedFFN:
     """The exact wide FFN that fusing `group` with norm `mode` gives (as passes/fuse.py builds it), read
     from the original blocks: gate/up concatenated along the width (rows scaled by each block's own norm
-    weight for "fold", unit norm), down along its input dimension."""
+    weight for "fold", unit norm), down along its input dimension. Blocks without a SwiGLU FFN
+    (attention-only or no-node layers inside a group) add nothing, as in passes.fuse.ffn_members."""
+    group = [b for b in group if b.ffn is not None]
     parts = {"gate": [], "up": [], "down": []}
     for block in group:
         scale = norm_weight(block) if mode == "fold" else None

@@ -1,5 +1,6 @@
 """The two models healing works on: an original model and its fused model, checked against each other
-(the plan in the fused model's metadata, both block tables, each group's starting weights)."""
+(the plan in the fused model's metadata, both block tables, each group's starting weights, the batch and
+sequence dims both accept)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from passes.plan import Plan
 from passes.reference import parallel_sum
 from passes.validate import plan_from_metadata
 from runtime.heal.records import HEAL_METADATA_KEY
+from runtime.heal.shapes import RunShape
 
 
 @dataclass
@@ -27,6 +29,7 @@ class HealPair:
     plan: Plan
     original_blocks: list[Block]
     fused_blocks: list[Block]
+    shape: RunShape  # windows per run and window length both graphs accept
 
     def fused_index(self, group: tuple[int, int]) -> int:
         """The index of the fused model's block that holds `group` (shifted by the groups before it)."""
@@ -72,7 +75,7 @@ def load_pair(original: str | Path, fused: str | Path) -> HealPair:
             f"{mismatch}: {len(original_blocks)} blocks, the plan {plan.to_json()} needs "
             f"{len(fused_blocks)} + {plan.removed_ffns}; pass the model that was fused"
         )
-    pair = HealPair(original, fused, plan, original_blocks, fused_blocks)
+    pair = HealPair(original, fused, plan, original_blocks, fused_blocks, RunShape.of([original, fused]))
     for first, last in plan.groups:
         width = sum(b.width for b in original_blocks[first : last + 1])
         if pair.fused_block((first, last)).width != width:

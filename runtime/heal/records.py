@@ -44,6 +44,7 @@ class GroupHeal:
     heldout_after: float
     seconds: float
     norm_weight: str  # "norm weight" (fitted) or "fixed" (fold: its scale lies in the gate/up rows)
+    start_sha256: str = ""  # the fused weights it started from (GroupWeights.fingerprint)
 
     def line(self) -> str:
         i, j = self.group
@@ -65,9 +66,12 @@ class HealResult:
     calib_source: str = ""
     nodes: int = 0
     seconds: float = 0.0
+    weights_from: Path | None = None  # the healed model the weights were taken from (heal.py --weights-from)
 
     def metadata(self) -> dict:
+        source = {} if self.weights_from is None else {"weights_from": str(self.weights_from)}
         return {
+            **source,
             "config": asdict(self.config),
             "calibration": self.calib_source,
             "calib_tokens": self.calib_tokens,

@@ -26,7 +26,7 @@ class HealDefaults:
     tokens: int = 8192  # calibration tokens
     heldout_tokens: int = 512  # per held-out text set, for the per-group errors
     eval_tokens: int = 1024  # per held-out text set, for the whole-model quality
-    window: int = 128
+    window: int | None = None  # tokens per window: the graph's fixed sequence length, else 128 (shapes.py)
 
 
 HEAL_DEFAULTS = HealDefaults()
@@ -47,6 +47,8 @@ class HealReport:
             f"{r.calib_tokens} calibration tokens, {r.heldout_tokens} held-out tokens",
             *(g.line() for g in r.groups),
         ]
+        if r.weights_from is not None:
+            out.insert(1, f"weights taken from {r.weights_from} (its heal's errors below; nothing fitted)")
         if self.before:
             out += ["quality on held-out text, fused (before healing):", format_table(self.before)]
             out += ["healed (after):", format_table(self.after)]
@@ -87,18 +89,19 @@ def run_heal(
     tokens: int = HEAL_DEFAULTS.tokens,
     heldout_tokens: int = HEAL_DEFAULTS.heldout_tokens,
     eval_tokens: int = HEAL_DEFAULTS.eval_tokens,
-    window: int = HEAL_DEFAULTS.window,
+    window: int | None = HEAL_DEFAULTS.window,
     heldout: Sequence[str | Path] | None = None,
     log: Callable[[str], None] = lambda message: None,
+    weights_from: str | Path | None = None,
 ) -> HealReport:
     """heal.py: calibration and held-out windows, healing, and the whole-model quality before and after.
-    Held-out text: `heldout` (text files or one ids .npy), else evaluate.py's default sets."""
+    Held-out text: `heldout` (text files or one ids .npy), else evaluate.py's default sets. With
+    `weights_from` (heal.py --weights-from), the healed weights of that model instead of a fit."""
     start = time.perf_counter()
     config.check()
     pair = load_pair(original, fused)
     vocab = vocab_size(pair.original_blocks)
-    calib_windows, source = calibration_windows(vocab, calib, tokens, window)
-    log(f"calibration: {source}: {calib_windows.shape[0]} x {calib_windows.shape[1]} tokens")
+    window = pair.shape.window(window)
 
     def held_out(count: int) -> list[TextSet]:
         files = [Path(p) for p in heldout or []]
@@ -107,7 +110,12 @@ def run_heal(
         return evaluation_sets(vocab, window, count, text=files or None)
 
     held = np.concatenate([s.windows for s in held_out(heldout_tokens)])
-    result = heal(original, fused, calib_windows, held, output, config, source, log, pair)
+    if weights_from is None:
+        calib_windows, source = calibration_windows(vocab, calib, tokens, window)
+        log(f"calibration: {source}: {calib_windows.shape[0]} x {calib_windows.shape[1]} tokens")
+    else:  # nothing is fitted: the checks of the written model run on held-out windows
+        calib_windows, source = held, ""
+    result = heal(original, fused, calib_windows, held, output, config, source, log, pair, weights_from)
     del pair  # its block tables hold both models' weights (inline models); the evaluation loads them anew
     gc.collect()
     before, after = [], []

@@ -12,8 +12,6 @@ import numpy as np
 from passes.analysis.runner import BlockRunner
 from runtime.heal.pair import HealPair
 
-CHUNK_WINDOWS = 8  # windows per whole-model capture run (bounds the logits held at once)
-
 
 @dataclass
 class Chunk:
@@ -26,7 +24,8 @@ class Chunk:
 
 
 class Streams:
-    """The original model's streams on calibration and held-out windows, captured chunk by chunk."""
+    """The original model's streams on calibration and held-out windows, captured chunk by chunk (as many
+    windows a run as the graphs accept: pair.shape)."""
 
     def __init__(self, runner: BlockRunner, pair: HealPair, calib: np.ndarray, heldout: np.ndarray):
         self.runner, self.pair = runner, pair
@@ -36,8 +35,8 @@ class Streams:
         # named residual sum; BlockRunner names it)
         self.keep |= {runner.cuts[j].output_name for _, j in pair.plan.groups}
         self.keep |= {blocks[i].block_input.name for i, _ in pair.plan.groups}
-        self.chunks = [self._capture(t, False) for t in split_windows(calib)]
-        self.chunks += [self._capture(t, True) for t in split_windows(heldout)]
+        self.chunks = [self._capture(t, False) for t in pair.shape.split(calib)]
+        self.chunks += [self._capture(t, True) for t in pair.shape.split(heldout)]
 
     def _capture(self, tokens: np.ndarray, held_out: bool) -> Chunk:
         captured = self.runner.capture(tokens, extra=sorted(self.keep), only=True)
@@ -56,11 +55,6 @@ class Streams:
             return stream
         self.runner.side = chunk.side
         return self.runner.run_attention(block, stream)
-
-
-def split_windows(tokens: np.ndarray) -> list[np.ndarray]:
-    """Token windows [n, length] in chunks of CHUNK_WINDOWS, one capture run each."""
-    return [tokens[s : s + CHUNK_WINDOWS] for s in range(0, len(tokens), CHUNK_WINDOWS)]
 
 
 def token_rows(arrays: Sequence[np.ndarray]) -> np.ndarray:

@@ -2,7 +2,7 @@
 attention-free run with an identity layer, an attention-only layer, a Linear attention and a Linear FFN
 (exporters.hf.synthetic.ALL_KINDS_BLOCKS), exported by exporters.hf and then shown, fused (both norm
 modes, validated against the original and the float64 reference), analyzed, evaluated, FP8-quantized and
-sharded at TP 2 over gloo."""
+sharded at TP 2 over gloo, and healed."""
 
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ from passes.metrics import max_abs_relative_error
 from passes.model_map import find_blocks
 from passes.pipeline import fuse_file
 from passes.plan import parse_plan
+from runtime.heal.records import HealConfig
+from runtime.heal.report import run_heal
 
 ROOT = Path(__file__).resolve().parents[3]
 VOCAB = 96
@@ -179,3 +181,23 @@ def test_without_the_layer_map_blocks_are_numbered_as_seen(all_kinds) -> None:
         ("none", "swiglu"),
     ]
     assert [b.layer_name for b in blocks] == [f"model.layers.{i}" for i in (0, 1, 3, 4, 5, 6, 7, 9, 10)]
+
+
+def test_heal_a_group_across_the_identity_layer(all_kinds, tmp_path) -> None:
+    """Healing refits the group [1, 4] (its identity layer 2 adds no FFN) and the last run: the healed
+    model is written, each group's fit lowers its calibration error, and the block table is kept. (Random
+    tokens on random weights: the held-out error is not a quality measure here.)"""
+    fused = fuse_file(all_kinds, parse_plan(PLAN), tmp_path / "fused.onnx").output
+    ids = np.random.default_rng(3).integers(0, VOCAB, size=(1, 1024)).astype(np.int64)
+    held = np.random.default_rng(4).integers(0, VOCAB, size=(1, 256)).astype(np.int64)
+    np.save(tmp_path / "calib.npy", ids)
+    np.save(tmp_path / "held.npy", held)
+    report = run_heal(
+        all_kinds, fused, tmp_path / "healed.onnx", HealConfig(steps=10, lr=3e-3, batch_tokens=256),
+        calib=[tmp_path / "calib.npy"], heldout=[tmp_path / "held.npy"], window=32, eval_tokens=0,
+    )
+    assert [g.group for g in report.result.groups] == [(1, 4), (9, 10)]
+    for g in report.result.groups:
+        assert g.calib_after < 0.9 * g.calib_before, g
+    healed = find_blocks(load_model(tmp_path / "healed.onnx"))
+    assert [b.width for b in healed] == [256, 768, 0, 256, 256, 0, 512]
