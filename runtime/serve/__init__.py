@@ -8,8 +8,10 @@
   prefill batched per step)
 - scheduler.py: the worker thread's step loop, bounded waiting queue, cancellation
 - tp_ranks.py: a TP folder served by one process per rank (gloo; NCCL on GPUs), as a batch.Runner
-- sampling.py: greedy / temperature / top_p with a per-request seeded generator
+- sampling.py: greedy / temperature / top_k / top_p / min_p and vLLM's penalties, per-request seeded
+- logprobs.py: token logprobs (log-softmax of the float32 logits) and the OpenAI logprobs formats
 - protocol.py: request bodies, OpenAI error JSON, incremental text with stop strings
+- responses.py: each choice's text, logprobs and finish reason as OpenAI bodies and stream chunks
 - app.py: the HTTP routes (FastAPI + sse-starlette); metrics.py: Prometheus metrics
 - server.py: uvicorn around the app (tools/serve.py); the serving benchmark is runtime/bench/serve.py
 """

@@ -11,10 +11,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -23,8 +22,17 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from runtime.serve.loading import ServedModel
+from runtime.serve.logprobs import TokenLogprob, TokenTexts
 from runtime.serve.metrics import Metrics
-from runtime.serve.protocol import ApiError, ChatRequest, CompletionRequest, TextStream, _Generation
+from runtime.serve.protocol import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    FieldError,
+    TextStream,
+    _Generation,
+)
+from runtime.serve.responses import Choice, Reply, Update
 from runtime.serve.sampling import Sampler
 from runtime.serve.scheduler import Event, GenerationRequest, QueueFull, Scheduler
 
@@ -72,11 +80,11 @@ def create_app(served: ServedModel, max_batch: int = 8, max_queue: int = 64) -> 
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await api.respond("completions", body, api.completion_prompt(body), request)
+        return await api.respond("completions", body, api.completion_prompts(body), request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request) -> Response:
-        return await api.respond("chat", body, api.chat_prompt(body), request)
+        return await api.respond("chat", body, api.chat_prompts(body), request)
 
     return app
 
@@ -99,6 +107,9 @@ def _error_handlers(app: FastAPI, metrics: Metrics) -> None:
                 request, ApiError(400, f"malformed JSON body: {first.get('msg', '')}", code="json_invalid")
             )
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        cause = first.get("ctx", {}).get("error")
+        if isinstance(cause, FieldError):  # a check across fields, or of a field it names
+            where = cause.field
         message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
         return answer(
             request, ApiError(400, f"{where}: {message}" if where else message, param=where or None)
@@ -122,6 +133,7 @@ class _Api:
     def __init__(self, served: ServedModel, scheduler: Scheduler, metrics: Metrics) -> None:
         self.served, self.scheduler, self.metrics = served, scheduler, metrics
         self.tokenizer = served.tokenizer
+        self.texts = TokenTexts(served.tokenizer)
 
     def model_card(self) -> dict:
         s = self.served
@@ -145,13 +157,19 @@ class _Api:
 
     # ------------------------------------------------------------------------------------------ prompts
 
-    def completion_prompt(self, body: CompletionRequest) -> list[int]:
+    def completion_prompts(self, body: CompletionRequest) -> list[_Prompt]:
+        """Each prompt's ids (checked against the vocabulary) and its echo text."""
         self.check_model(body.model)
-        if isinstance(body.prompt, str):
-            return list(self.tokenizer(body.prompt)["input_ids"])
-        return [int(t) for t in body.prompt]
+        prompts, several = [], len(body.prompts) > 1
+        for i, prompt in enumerate(body.prompts):
+            text = isinstance(prompt, str)
+            ids = list(self.tokenizer(prompt)["input_ids"]) if text else [int(t) for t in prompt]
+            self._check_ids(ids, f"prompt[{i}]" if several else "prompt")  # before decoding them
+            echo = (prompt if text else self.tokenizer.decode(ids)) if body.echo else ""
+            prompts.append(_Prompt(ids, echo))
+        return prompts
 
-    def chat_prompt(self, body: ChatRequest) -> list[int]:
+    def chat_prompts(self, body: ChatRequest) -> list[_Prompt]:
         self.check_model(body.model)
         if not getattr(self.tokenizer, "chat_template", None):
             raise ApiError(400, "this model's tokenizer has no chat template: use /v1/completions")
@@ -164,94 +182,162 @@ class _Api:
             ) from None
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
-        return list(ids)
+        self._check_ids(list(ids), "messages")  # a tokenizer larger than the model
+        last = body.messages[-1]
+        # vLLM's chat echo: the reply starts with the last message when it is the assistant's own
+        echo = last.text() if body.echo and last.role == "assistant" else ""
+        return [_Prompt(list(ids), echo)]
 
     # ------------------------------------------------------------------------------------- generation
 
-    def _limits(self, body: _Generation, prompt: list[int]) -> int:
-        """max_tokens, checked against the context; prompt ids checked against the vocabulary."""
-        vocab, context = self.served.vocab, self.served.max_context
-        if not prompt:
-            raise ApiError(400, "the prompt is empty", param="prompt")
-        if vocab is not None and not all(0 <= t < vocab for t in prompt):
-            raise ApiError(400, f"prompt token ids must lie in 0..{vocab - 1}", param="prompt")
-        wanted = body.max_tokens or getattr(body, "max_completion_tokens", None)
-        if wanted is None:
-            wanted = 16 if isinstance(body, CompletionRequest) else context - len(prompt)
-        limit = self.served.max_prompt
-        if limit is not None and len(prompt) > limit:
-            raise ApiError(
-                400, f"the prompt has {len(prompt)} tokens; this engine takes at most {limit}", param="prompt"
-            )
-        if len(prompt) + wanted > context:
+    def _check_ids(self, ids: list[int], param: str) -> None:
+        vocab = self.served.vocab
+        if vocab is not None and not all(0 <= t < vocab for t in ids):
+            raise ApiError(400, f"{param}: token ids must lie in 0..{vocab - 1}", param=param.split("[")[0])
+
+    def _limits(self, body: _Generation, prompts: list[_Prompt]) -> int:
+        """max_tokens, checked against the context and min_tokens; the stop ids checked against the
+        vocabulary; the choices against the queue. All before anything runs (prompt ids are checked as
+        they come in)."""
+        context, several = self.served.max_context, len(prompts) > 1
+        jobs = len(prompts) * body.n
+        if jobs > self.scheduler.max_queue:
             raise ApiError(
                 400,
-                f"this model's maximum context length is {context} tokens; the prompt has "
-                f"{len(prompt)} and max_tokens is {wanted}",
-                param="max_tokens",
+                f"{len(prompts)} prompt(s) x n={body.n} make {jobs} sequences; this server queues at most "
+                f"{self.scheduler.max_queue} (--max-queue): send fewer",
+                param="n" if body.n > 1 else "prompt",
             )
+        self._check_ids(body.stop_token_ids, "stop_token_ids")
+        wanted = body.token_limit
+        longest = max(len(p.ids) for p in prompts)
+        if wanted is None:
+            wanted = 16 if isinstance(body, CompletionRequest) else context - longest
+        if body.min_tokens > wanted:
+            raise ApiError(
+                400, f"min_tokens ({body.min_tokens}) exceeds max_tokens ({wanted})", param="min_tokens"
+            )
+        limit = self.served.max_prompt
+        for i, prompt in enumerate(prompts):
+            where = f"prompt[{i}]" if several else "prompt"
+            if not prompt.ids:
+                raise ApiError(400, f"{where}: the prompt is empty", param="prompt")
+            if limit is not None and len(prompt.ids) > limit:
+                raise ApiError(
+                    400,
+                    f"{where} has {len(prompt.ids)} tokens; this engine takes at most {limit}",
+                    param="prompt",
+                )
+            if len(prompt.ids) + wanted > context:
+                raise ApiError(
+                    400,
+                    f"this model's maximum context length is {context} tokens; {where} has "
+                    f"{len(prompt.ids)} and max_tokens is {wanted}",
+                    param="max_tokens",
+                )
         return wanted
 
-    async def respond(self, kind: str, body: _Generation, prompt: list[int], request: Request) -> Response:
-        max_tokens = self._limits(body, prompt)
+    def _choices(
+        self, body: _Generation, prompts: list[_Prompt], max_tokens: int, emit: Callable[[int], Callable]
+    ) -> list[Choice]:
+        """One scheduler request per prompt and sample (index = prompt * n + sample)."""
+        temperature = 1.0 if body.temperature is None else body.temperature
+        top = body.top_logprobs_count
+        echo = bool(getattr(body, "echo", False))
+        choices = []
+        for i, prompt in enumerate(prompts):
+            for j in range(body.n):
+                index = i * body.n + j
+                seed = body.seed if j == 0 or body.seed is None else [body.seed, j]
+                sampler = Sampler(
+                    temperature,
+                    1.0 if body.top_p is None else body.top_p,
+                    seed,
+                    top_k=body.top_k,
+                    min_p=body.min_p,
+                    presence_penalty=body.presence_penalty or 0.0,
+                    frequency_penalty=body.frequency_penalty or 0.0,
+                    repetition_penalty=body.repetition_penalty or 1.0,
+                )
+                job = GenerationRequest(
+                    prompt.ids,
+                    max_tokens,
+                    sampler,
+                    emit=emit(index),
+                    eos_ids=frozenset() if body.ignore_eos else self.served.eos_ids,
+                    stop_ids=frozenset(body.stop_token_ids),
+                    min_tokens=body.min_tokens,
+                    logprobs=top,
+                    prompt_logprobs=top if echo and isinstance(body, CompletionRequest) else None,
+                )
+                text = TextStream(self.tokenizer, body.stop)
+                choices.append(Choice(index, job, text, echo=prompt.echo, logprobs=top is not None))
+        return choices
+
+    async def respond(
+        self, kind: str, body: _Generation, prompts: list[_Prompt], request: Request
+    ) -> Response:
+        max_tokens = self._limits(body, prompts)
         if problem := self.scheduler.problem:
             raise ApiError(503, f"the model is not being served: {problem}", code="model_unavailable")
-        temperature = 1.0 if body.temperature is None else body.temperature
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[Event] = asyncio.Queue()
-        job = GenerationRequest(
-            prompt,
-            max_tokens,
-            Sampler(temperature, 1.0 if body.top_p is None else body.top_p, body.seed),
-            emit=lambda event: loop.call_soon_threadsafe(queue.put_nowait, event),
-            eos_ids=frozenset() if body.ignore_eos else self.served.eos_ids,
-        )
+        queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+
+        def emit(index: int) -> Callable[[Event], None]:
+            return lambda event: loop.call_soon_threadsafe(queue.put_nowait, (index, event))
+
+        reply = Reply(kind, self.served.id, sum(len(p.ids) for p in prompts), self.texts)
+        reply.choices = self._choices(body, prompts, max_tokens, emit)
         try:
-            self.scheduler.submit(job)
+            self.scheduler.submit(*(c.job for c in reply.choices))
         except QueueFull as exc:
             raise ApiError(503, f"the server is busy: {exc}; retry later", code="queue_full") from None
-        self.metrics.prompt_tokens.inc(len(prompt))
-        reply = _Reply(kind, self.served.id, len(prompt))
-        pieces = self._pieces(job, queue, TextStream(self.tokenizer, body.stop), reply)
+        self.metrics.prompt_tokens.inc(reply.prompt_tokens)
+        updates = self._updates(reply.choices, queue)
         endpoint = "/v1/completions" if kind == "completions" else "/v1/chat/completions"
+        arrived = reply.choices[0].job.arrived
         if body.stream:
             self.metrics.requests.labels(endpoint, "200").inc()
-            events = self._events(pieces, reply, body.include_usage, job)
-            return EventSourceResponse(events, ping=15)
-        text, reason = await self._collect(pieces, request)
+            return EventSourceResponse(self._events(updates, reply, body.include_usage, arrived), ping=15)
+        results = await self._collect(reply.choices, updates, request)
         self.metrics.requests.labels(endpoint, "200").inc()
-        self.metrics.request_latency.observe(time.perf_counter() - job.arrived)
-        return JSONResponse(reply.whole(text, reason))
+        self.metrics.request_latency.observe(time.perf_counter() - arrived)
+        return JSONResponse(reply.whole(results))
 
-    async def _pieces(
-        self, job: GenerationRequest, queue: asyncio.Queue, text: TextStream, reply: _Reply
-    ) -> AsyncIterator[tuple[str, str | None]]:
-        """(new text, finish reason or None) until the request ends; its slot is freed however it ends."""
+    async def _updates(
+        self, choices: list[Choice], queue: asyncio.Queue
+    ) -> AsyncIterator[tuple[Choice, Update]]:
+        """Every choice's updates as they come, until each has ended; the requests' slots are freed however
+        this ends (a client that leaves, a stop string)."""
+        running = len(choices)
         try:
-            while True:
-                event = await queue.get()
+            while running:
+                index, event = await queue.get()
+                choice = choices[index]
+                if choice.finish is not None:
+                    continue  # ended by a stop string; its request is being cancelled
                 if event.kind == "error":
                     raise GenerationFailed(event.reason)
-                if event.kind == "done":
-                    yield text.flush(), event.reason
-                    return
-                reply.completion_tokens += 1
-                piece, stopped = text.push(event.token)
-                if stopped:
-                    yield piece, "stop"
-                    return
-                if piece:
-                    yield piece, None
+                update = choice.take(event)
+                if update is None:
+                    continue
+                if update.reason is not None:
+                    running -= 1
+                    self.scheduler.cancel(choice.job)  # no-op when it has finished
+                yield choice, update
         finally:
-            self.scheduler.cancel(job)  # no-op when it has finished; frees the row when the client left
+            for choice in choices:
+                self.scheduler.cancel(choice.job)
 
-    async def _collect(self, pieces: AsyncIterator, request: Request) -> tuple[str, str]:
-        async def gather() -> tuple[str, str]:
-            parts, reason = [], "length"
-            async for piece, done in pieces:
-                parts.append(piece)
-                reason = done or reason
-            return "".join(parts), reason
+    async def _collect(
+        self, choices: list[Choice], updates: AsyncIterator, request: Request
+    ) -> dict[Choice, tuple[str, list[TokenLogprob]]]:
+        async def gather() -> dict[Choice, tuple[str, list[TokenLogprob]]]:
+            parts: dict[Choice, tuple[list[str], list[TokenLogprob]]] = {c: ([], []) for c in choices}
+            async for choice, update in updates:
+                parts[choice][0].append(update.text)
+                parts[choice][1].extend(update.entries)
+            return {c: ("".join(text), entries) for c, (text, entries) in parts.items()}
 
         task = asyncio.ensure_future(gather())
         while True:
@@ -268,14 +354,14 @@ class _Api:
             raise ApiError(500, f"generation failed: {exc}") from None
 
     async def _events(
-        self, pieces: AsyncIterator, reply: _Reply, usage: bool, job: GenerationRequest
+        self, updates: AsyncIterator, reply: Reply, usage: bool, arrived: float
     ) -> AsyncIterator[dict]:
         try:
             for chunk in reply.opening():
                 yield {"data": json.dumps(chunk)}
-            async for piece, reason in pieces:
-                yield {"data": json.dumps(reply.chunk(piece, reason))}
-            self.metrics.request_latency.observe(time.perf_counter() - job.arrived)
+            async for choice, update in updates:
+                yield {"data": json.dumps(reply.chunk(choice, update))}
+            self.metrics.request_latency.observe(time.perf_counter() - arrived)
             if usage:
                 yield {"data": json.dumps(reply.usage_chunk())}
         except GenerationFailed as exc:
@@ -283,69 +369,7 @@ class _Api:
         yield {"data": "[DONE]"}
 
 
-class _Reply:
-    """Response bodies and stream chunks of one request, in the OpenAI formats."""
-
-    def __init__(self, kind: str, model: str, prompt_tokens: int) -> None:
-        self.chat = kind == "chat"
-        self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
-        self.model, self.created = model, int(time.time())
-        self.prompt_tokens, self.completion_tokens = prompt_tokens, 0
-
-    def usage(self) -> dict:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-        }
-
-    def _head(self, chunk: bool) -> dict[str, Any]:
-        kind = ("chat.completion" if self.chat else "text_completion") + (
-            ".chunk" if chunk and self.chat else ""
-        )
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
-
-    def whole(self, text: str, reason: str) -> dict:
-        if self.chat:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": reason,
-                "logprobs": None,
-            }
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
-        return {**self._head(False), "choices": [choice], "usage": self.usage()}
-
-    def opening(self) -> list[dict]:
-        """A chat stream starts with the assistant role (as OpenAI's does)."""
-        if not self.chat:
-            return []
-        return [
-            {
-                **self._head(True),
-                "choices": [
-                    {
-                        "index": 0,
-                        "delta": {"role": "assistant", "content": ""},
-                        "finish_reason": None,
-                        "logprobs": None,
-                    }
-                ],
-            }
-        ]
-
-    def chunk(self, piece: str, reason: str | None) -> dict:
-        if self.chat:
-            choice = {
-                "index": 0,
-                "delta": {"content": piece} if piece else {},
-                "finish_reason": reason,
-                "logprobs": None,
-            }
-        else:
-            choice = {"index": 0, "text": piece, "finish_reason": reason, "logprobs": None}
-        return {**self._head(True), "choices": [choice]}
-
-    def usage_chunk(self) -> dict:
-        return {**self._head(True), "choices": [], "usage": self.usage()}
+@dataclass(frozen=True)
+class _Prompt:
+    ids: list[int]
+    echo: str  # the text returned before the completion when the request asks for echo

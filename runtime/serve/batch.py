@@ -13,7 +13,10 @@ the decode graph gives them zero attention weight and computes positions as cums
 logits do not depend on its neighbours (up to float summation order; greedy equality is tested).
 
 Prefill: the sequences admitted in one scheduler iteration are prefilled together (`prefill_many`),
-left-padded from an empty cache like a decode batch; their caches then join the running batch.
+left-padded from an empty cache like a decode batch; their caches then join the running batch. A prefill
+graph gives logits at every prompt position: for the sequences named in `scored` (echo with logprobs), the
+prefill also returns their prompt tokens' logprobs (runtime.serve.logprobs.score_prompt), computed where
+the logits are (in rank 0's process for a TP folder), so only the entries travel.
 
 `GroupedRunner` is for graphs whose attention cannot take left padding (ONNX Runtime GenAI's
 GroupQueryAttention reads each row's length from the mask and assumes its tokens start at slot 0): every
@@ -25,14 +28,33 @@ left-padded together when the graph takes an attention_mask, else in groups of e
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
 from runtime.generate import DecodeModel, left_pad
+from runtime.serve.logprobs import TokenLogprob, score_prompt
 
 BATCH_AXIS, SEQ_AXIS = 0, 2  # of cache tensors [batch, kv_heads, past_len, head_dim]
+
+
+Scored = Mapping[Hashable, int]  # key -> how many most likely tokens each prompt logprobs entry lists
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    """What a prefill gives one sequence: the next token's logits, and its prompt's logprobs when asked."""
+
+    logits: np.ndarray  # [vocab], the last prompt position's
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.. (scored sequences only)
+
+
+def _prefilled(logits: np.ndarray, prompt: Sequence[int], top: int | None) -> Prefilled:
+    """From one row's logits [width, vocab] of a (left-padded) prefill of `prompt`."""
+    scores = None if top is None else score_prompt(logits[logits.shape[0] - len(prompt) :], prompt, top)
+    return Prefilled(logits[-1], scores)
 
 
 class Runner(Protocol):
@@ -40,7 +62,9 @@ class Runner(Protocol):
 
     def prefill(self, key: Hashable, prompt: Sequence[int]) -> np.ndarray: ...  # last logits [vocab]
 
-    def prefill_many(self, prompts: dict[Hashable, Sequence[int]]) -> dict[Hashable, np.ndarray]: ...
+    def prefill_many(
+        self, prompts: dict[Hashable, Sequence[int]], scored: Scored | None = None
+    ) -> dict[Hashable, Prefilled]: ...
 
     def decode(self, tokens: dict[Hashable, int]) -> dict[Hashable, np.ndarray]: ...  # key -> [vocab]
 
@@ -76,15 +100,18 @@ class CachedRunner:
         return len(self.keys)
 
     def prefill(self, key: Hashable, prompt: Sequence[int]) -> np.ndarray:
-        return self.prefill_many({key: prompt})[key]
+        return self.prefill_many({key: prompt})[key].logits
 
-    def prefill_many(self, prompts: dict[Hashable, Sequence[int]]) -> dict[Hashable, np.ndarray]:
+    def prefill_many(
+        self, prompts: dict[Hashable, Sequence[int]], scored: Scored | None = None
+    ) -> dict[Hashable, Prefilled]:
         """The new sequences as one left-padded batch from an empty cache; their rows join the batch."""
-        keys = list(prompts)
+        keys, scored = list(prompts), scored or {}
         ids, mask = left_pad([prompts[k] for k in keys])
         logits, cache = self.model.forward(ids, mask, self.model.empty_cache(len(keys)))
+        out = {k: _prefilled(logits[row], prompts[k], scored.get(k)) for row, k in enumerate(keys)}
         self._join(keys, mask, cache)
-        return {k: logits[row, -1] for row, k in enumerate(keys)}
+        return out
 
     def _join(self, keys: list[Hashable], mask: np.ndarray, cache: dict[str, np.ndarray]) -> None:
         width = max(self.mask.shape[1], mask.shape[1])
@@ -132,10 +159,13 @@ class GroupedRunner:
         return len(self.caches)
 
     def prefill(self, key: Hashable, prompt: Sequence[int]) -> np.ndarray:
-        return self.prefill_many({key: prompt})[key]
+        return self.prefill_many({key: prompt})[key].logits
 
-    def prefill_many(self, prompts: dict[Hashable, Sequence[int]]) -> dict[Hashable, np.ndarray]:
+    def prefill_many(
+        self, prompts: dict[Hashable, Sequence[int]], scored: Scored | None = None
+    ) -> dict[Hashable, Prefilled]:
         """One batch per distinct prompt length (no padding)."""
+        scored = scored or {}
         groups: dict[int, list[Hashable]] = {}
         for key, prompt in prompts.items():
             groups.setdefault(len(prompt), []).append(key)
@@ -146,7 +176,7 @@ class GroupedRunner:
             for row, key in enumerate(keys):
                 self.caches[key] = {n: a[row : row + 1] for n, a in cache.items()}
                 self.lengths[key] = length
-                out[key] = logits[row, -1]
+                out[key] = _prefilled(logits[row], prompts[key], scored.get(key))
         return out
 
     def release(self, key: Hashable) -> None:
@@ -180,12 +210,16 @@ class RecomputeRunner:
         return len(self.sequences)
 
     def prefill(self, key: Hashable, prompt: Sequence[int]) -> np.ndarray:
-        return self.prefill_many({key: prompt})[key]
+        return self.prefill_many({key: prompt})[key].logits
 
-    def prefill_many(self, prompts: dict[Hashable, Sequence[int]]) -> dict[Hashable, np.ndarray]:
+    def prefill_many(
+        self, prompts: dict[Hashable, Sequence[int]], scored: Scored | None = None
+    ) -> dict[Hashable, Prefilled]:
+        scored = scored or {}
         for key, prompt in prompts.items():
             self.sequences[key] = [int(t) for t in prompt]
-        return self._run(list(prompts))
+        rows = self._run(list(prompts))
+        return {k: _prefilled(rows[k], self.sequences[k], scored.get(k)) for k in prompts}
 
     def release(self, key: Hashable) -> None:
         self.sequences.pop(key, None)
@@ -193,9 +227,10 @@ class RecomputeRunner:
     def decode(self, tokens: dict[Hashable, int]) -> dict[Hashable, np.ndarray]:
         for key, token in tokens.items():
             self.sequences[key].append(int(token))
-        return self._run(list(tokens))
+        return {k: rows[-1] for k, rows in self._run(list(tokens)).items()}
 
     def _run(self, keys: list[Hashable]) -> dict[Hashable, np.ndarray]:
+        """Each sequence's logits [positions, vocab] (its row of a left-padded batch, padding included)."""
         groups: dict[int, list[Hashable]] = {}
         for key in keys:  # without a mask input only sequences of one length can share a batch
             groups.setdefault(0 if self.model.has_mask else len(self.sequences[key]), []).append(key)
@@ -203,5 +238,5 @@ class RecomputeRunner:
         for group in groups.values():
             ids, mask = left_pad([self.sequences[k] for k in group])
             logits, _ = self.model.forward(ids, mask, None)
-            out.update({k: logits[row, -1] for row, k in enumerate(group)})
+            out.update({k: logits[row] for row, k in enumerate(group)})
         return out

@@ -6,8 +6,14 @@ ONE decode step for all running sequences together (runtime.serve.batch). A requ
 leaves the batch between any two steps. Tokens go back through each request's `emit` callback (called
 on the worker thread; the web layer hands them to its event loop).
 
-The waiting queue is bounded: `submit` raises QueueFull beyond `max_queue` waiting requests. An error
-in a model call fails only the requests of that call; the loop keeps running.
+Per request: its prompt's logprobs after the prefill when `prompt_logprobs` asks (a "prompt" event), each
+token with its logprob entry when `logprobs` asks, end-of-sequence and `stop_ids` banned before
+`min_tokens` tokens, and `max_tokens` 0 (prompt scoring only: prefill, no token). The logprobs are the
+model's own (runtime.serve.logprobs), the token is the sampler's choice (runtime.serve.sampling).
+
+The waiting queue is bounded: `submit` raises QueueFull when the requests would not all fit in
+`max_queue` (the choices of one HTTP request go in together or not at all). An error in a model call
+fails only the requests of that call; the loop keeps running.
 """
 
 from __future__ import annotations
@@ -20,7 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from runtime.serve.batch import Runner
+from runtime.serve.batch import Prefilled, Runner
+from runtime.serve.logprobs import TokenLogprob, score_token
 from runtime.serve.metrics import Metrics
 from runtime.serve.sampling import Sampler
 
@@ -29,11 +36,16 @@ _ids = itertools.count(1)
 
 @dataclass(frozen=True)
 class Event:
-    """A generated token, the end of a request (reason "stop" or "length"), or an error message."""
+    """The prompt's logprobs, a generated token (`stop`: an end-of-sequence or stop id that ends the
+    request; its text is not part of the completion), the end of a request (reason "stop" or "length"), or
+    an error message."""
 
-    kind: Literal["token", "done", "error"]
+    kind: Literal["prompt", "token", "done", "error"]
     token: int = -1
     reason: str = ""
+    logprob: TokenLogprob | None = None  # the token's, when the request asked for logprobs
+    prompt: tuple[TokenLogprob, ...] = ()  # prompt tokens 1.. ("prompt" events)
+    stop: bool = False
 
 
 class QueueFull(Exception):
@@ -43,16 +55,24 @@ class QueueFull(Exception):
 @dataclass(eq=False)
 class GenerationRequest:
     prompt: list[int]
-    max_tokens: int
+    max_tokens: int  # 0: score the prompt only
     sampler: Sampler
     emit: Callable[[Event], None]
     eos_ids: frozenset[int] = frozenset()
+    stop_ids: frozenset[int] = frozenset()  # stop_token_ids: end the request like an end-of-sequence id
+    min_tokens: int = 0  # before this many tokens, eos_ids and stop_ids are banned
+    logprobs: int | None = None  # top tokens per generated token's entry; None: no logprobs
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (echo); None: not scored
     id: int = field(default_factory=lambda: next(_ids))
     arrived: float = field(default_factory=time.perf_counter)
     cancelled: bool = False
-    generated: int = 0
+    output: list[int] = field(default_factory=list)
     next_token: int = -1
     last_time: float = 0.0
+
+    @property
+    def generated(self) -> int:
+        return len(self.output)
 
 
 class Scheduler:
@@ -72,11 +92,15 @@ class Scheduler:
 
     # ---------------------------------------------------------------------------- called by the web layer
 
-    def submit(self, request: GenerationRequest) -> None:
+    def submit(self, *requests: GenerationRequest) -> None:
+        """Queue the requests, all of them or (QueueFull) none."""
         with self._cond:
-            if len(self.waiting) >= self.max_queue:
-                raise QueueFull(f"{len(self.waiting)} requests are waiting (--max-queue {self.max_queue})")
-            self.waiting.append(request)
+            if len(self.waiting) + len(requests) > self.max_queue:
+                raise QueueFull(
+                    f"{len(self.waiting)} requests are waiting (--max-queue {self.max_queue})"
+                    + (f" and this one brings {len(requests)}" if len(requests) > 1 else "")
+                )
+            self.waiting.extend(requests)
             self._cond.notify()
         self._gauges()
 
@@ -135,16 +159,23 @@ class Scheduler:
         """The requests admitted together, prefilled in one call (runner.prefill_many batches them)."""
         if self.metrics:
             self.metrics.prefill_batch_size.observe(len(requests))
+        scored = {r.id: r.prompt_logprobs for r in requests if r.prompt_logprobs is not None}
         try:
-            out = self.runner.prefill_many({r.id: r.prompt for r in requests})
+            out = self.runner.prefill_many({r.id: r.prompt for r in requests}, scored)
         except Exception as exc:  # noqa: BLE001 - these requests fail, the server keeps serving
             for request in requests:
                 self.runner.release(request.id)
                 _send(request, Event("error", reason=f"prefill failed: {exc}"))
             return
         for request in requests:
+            prefilled: Prefilled = out[request.id]
             self.running[request.id] = request
-            self._accept(request, out[request.id])
+            if prefilled.prompt_logprobs is not None:
+                _send(request, Event("prompt", prompt=tuple(prefilled.prompt_logprobs)))
+            if request.max_tokens == 0:
+                self._finish(request, "length")
+            else:
+                self._accept(request, prefilled.logits)
 
     def _decode(self) -> None:
         batch = list(self.running.values())
@@ -162,7 +193,10 @@ class Scheduler:
             self._accept(request, out[request.id])
 
     def _accept(self, request: GenerationRequest, logits) -> None:
-        token = request.sampler(logits)
+        ending = request.eos_ids | request.stop_ids
+        banned = ending if request.generated < request.min_tokens else ()
+        token = request.sampler(logits, request.prompt, request.output, banned)
+        entry = None if request.logprobs is None else score_token(logits, token, request.logprobs)
         now = time.perf_counter()
         if self.metrics:
             if request.generated == 0:
@@ -170,10 +204,10 @@ class Scheduler:
             else:
                 self.metrics.time_per_output_token.observe(now - request.last_time)
             self.metrics.generation_tokens.inc()
-        request.generated += 1
+        request.output.append(token)
         request.next_token, request.last_time = token, now
-        _send(request, Event("token", token=token))
-        if token in request.eos_ids:
+        _send(request, Event("token", token=token, logprob=entry, stop=token in ending))
+        if token in ending:
             self._finish(request, "stop")
         elif request.generated >= request.max_tokens:
             self._finish(request, "length")

@@ -36,7 +36,7 @@ from passes.errors import UserError
 from passes.shard import rank_onnx_files
 from runtime.backends import TpRankBackend
 from runtime.generate import DecodeModel
-from runtime.serve.batch import runner_for
+from runtime.serve.batch import Prefilled, Scored, runner_for
 from runtime.tp.gloo import free_port, init_gloo
 
 ERROR_GRACE_S = 5.0  # after one rank reports an error, how long the others may take to answer
@@ -180,12 +180,17 @@ class TpRanks:
         return len(self.keys)
 
     def prefill(self, key: Hashable, prompt: Sequence[int]) -> np.ndarray:
-        return self.prefill_many({key: prompt})[key]
+        return self.prefill_many({key: prompt})[key].logits
 
-    def prefill_many(self, prompts: dict[Hashable, Sequence[int]]) -> dict[Hashable, np.ndarray]:
-        logits = self._call("prefill_many", {k: [int(t) for t in p] for k, p in prompts.items()})
+    def prefill_many(
+        self, prompts: dict[Hashable, Sequence[int]], scored: Scored | None = None
+    ) -> dict[Hashable, Prefilled]:
+        """Rank 0 scores the prompts that ask for it (logprobs entries, not logits, cross the pipe)."""
+        prefilled = self._call(
+            "prefill_many", {k: [int(t) for t in p] for k, p in prompts.items()}, dict(scored or {})
+        )
         self.keys.update(prompts)
-        return logits
+        return prefilled
 
     def decode(self, tokens: dict[Hashable, int]) -> dict[Hashable, np.ndarray]:
         return self._call("decode", {k: int(t) for k, t in tokens.items()})

@@ -42,10 +42,20 @@ def error_of(response: httpx.Response) -> dict:
 
 def start_cli(*args: str) -> tuple[subprocess.Popen, str, list[str]]:
     """tools/serve.py as a user starts it, once /health answers 200: (process, base URL, command)."""
+    return wait_healthy(*launch_cli(*args))
+
+
+def launch_cli(*args: str) -> tuple[subprocess.Popen, str, list[str]]:
+    """tools/serve.py started (not yet serving: see wait_healthy), at a free port."""
     port = free_port()
     command = [sys.executable, str(ROOT / "tools" / "serve.py"), *args, "--port", str(port)]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
+    return process, f"http://127.0.0.1:{port}", command
+
+
+def wait_healthy(
+    process: subprocess.Popen, url: str, command: list[str]
+) -> tuple[subprocess.Popen, str, list[str]]:
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         assert process.poll() is None, process.communicate()

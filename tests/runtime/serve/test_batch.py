@@ -29,7 +29,7 @@ def test_rows_joining_and_leaving_the_batch_decode_as_alone(tmp_path_factory, ru
     for step in range(20):
         joining = {key: PROMPTS[key] for key in schedule.get(step, [])}
         if len(joining) > 1:  # sequences that arrive together are prefilled together
-            prefilled = runner.prefill_many(joining)
+            prefilled = {key: out.logits for key, out in runner.prefill_many(joining).items()}
         else:
             prefilled = {key: runner.prefill(key, prompt) for key, prompt in joining.items()}
         for key, logits in prefilled.items():

@@ -10,6 +10,7 @@ import signal
 import time
 
 import httpx
+import numpy as np
 import openai
 import psutil
 import pytest
@@ -26,7 +27,8 @@ from tests.serve_fixtures import PROMPTS
 def test_tp_rank_processes_serve_like_one_device_and_stop_with_the_server(server, tp2_folder):
     """tools/serve.py on a TP 2 folder: two rank processes (gloo all-reduces, each holding its share of the
     KV caches); greedy text equals the single-device ONNX Runtime server's, alone and among 8 concurrent
-    clients, streamed or not; after SIGTERM the server and every process it started are gone."""
+    clients, streamed or not, and so do echoed prompt logprobs; after SIGTERM the server and every process
+    it started are gone."""
     process, url, _ = start_cli(
         str(tp2_folder), "--backend", "tp", "--model-name", "tiny_decode", "--log-level", "info"
     )
@@ -42,6 +44,13 @@ def test_tp_rank_processes_serve_like_one_device_and_stop_with_the_server(server
         assert alone == one_device
         assert alone[0] == sf.words(fx.torch_greedy(PROMPTS[0], 12))
         assert streamed(tp, PROMPTS[1], 6)[0] == alone[1]
+        # prompt scoring runs in rank 0 (entries, not logits, cross the pipe): the same numbers
+        scored = [complete(api, PROMPTS[:2], 2, echo=True, logprobs=2) for api in (tp, client(server))]
+        for tp_choice, one_choice in zip(*(s.choices for s in scored), strict=True):
+            tp_lp, one_lp = tp_choice.logprobs, one_choice.logprobs
+            assert tp_lp.tokens == one_lp.tokens and tp_choice.text == one_choice.text
+            assert tp_lp.token_logprobs[0] is None
+            np.testing.assert_allclose(tp_lp.token_logprobs[1:], one_lp.token_logprobs[1:], atol=1e-4)
         steps_before = _decode_steps(url)
         with cf.ThreadPoolExecutor(8) as pool:
             together = list(pool.map(lambda job: complete(tp, *job).choices[0].text, jobs))

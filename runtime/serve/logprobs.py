@@ -1,0 +1,123 @@
+"""Token log-probabilities: computed from logits, and written in the OpenAI API's two formats.
+
+The numbers are the log-softmax of the model's float32 logits, computed in float64 exactly as
+runtime/evaluate.py computes perplexity: the model's own distribution, before temperature, penalties, top-k
+or top-p (vLLM's default; what an evaluation harness sums). A prompt's first token has no logprob (nothing
+predicts it); token t of the prompt is scored by the logits at position t - 1.
+
+    entries = score_prompt(logits[len(prompt), vocab], prompt, top=1)   # tokens 1.. of the prompt
+    entry = score_token(logits[vocab], token, top=5)                    # one generated token
+    completion_logprobs([first_token(prompt), *entries, entry], texts)  # /v1/completions' logprobs
+    chat_logprobs([entry], texts)                                       # /v1/chat/completions' logprobs
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+FLOOR = -9999.0  # JSON has no -inf: the lowest logprob reported (as vLLM)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One token, its logprob (None for a prompt's first token) and the `top` most likely tokens there."""
+
+    token: int
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] = ()  # (token, logprob), most likely first
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """float64 log-softmax over the last axis (runtime/evaluate.py's arithmetic)."""
+    x = logits.astype(np.float64)
+    x -= x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def _entries(logprobs: np.ndarray, tokens: Sequence[int], top: int) -> list[TokenLogprob]:
+    """logprobs [n, vocab] (already normalized) and the n tokens they score."""
+    chosen = logprobs[np.arange(len(tokens)), np.asarray(tokens, dtype=np.int64)]
+    top = min(top, logprobs.shape[-1])
+    if top > 0:
+        best = np.argpartition(-logprobs, top - 1, axis=-1)[:, :top]
+        values = np.take_along_axis(logprobs, best, axis=-1)
+        order = np.argsort(-values, axis=-1, kind="stable")
+        best, values = np.take_along_axis(best, order, -1), np.take_along_axis(values, order, -1)
+    out = []
+    for row, token in enumerate(tokens):
+        pairs = tuple(zip(best[row].tolist(), values[row].tolist(), strict=True)) if top > 0 else ()
+        out.append(TokenLogprob(int(token), float(chosen[row]), pairs))
+    return out
+
+
+def score_token(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
+    """A generated token's entry from the logits [vocab] it was chosen from."""
+    return _entries(log_softmax(logits[None]), [token], top)[0]
+
+
+def score_prompt(logits: np.ndarray, prompt: Sequence[int], top: int) -> list[TokenLogprob]:
+    """Entries of prompt tokens 1..n-1 from the prompt's logits [n, vocab] (position t predicts t + 1)."""
+    if logits.shape[0] != len(prompt):
+        raise ValueError(
+            f"the graph returned logits for {logits.shape[0]} of the prompt's {len(prompt)} positions: "
+            "prompt logprobs (echo) need logits at every position"
+        )
+    return _entries(log_softmax(logits[:-1]), prompt[1:], top)
+
+
+class TokenTexts:
+    """Each token id's own text (the tokenizer's decode of that id alone, special tokens kept), cached."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.cache: dict[int, str] = {}
+
+    def __call__(self, token: int) -> str:
+        text = self.cache.get(token)
+        if text is None:
+            text = self.cache[token] = self.tokenizer.decode([token])
+        return text
+
+
+def _value(logprob: float) -> float:
+    return max(logprob, FLOOR)
+
+
+def completion_logprobs(entries: Sequence[TokenLogprob], texts: TokenTexts, offset: int = 0) -> dict:
+    """The /v1/completions `logprobs` object. `top_logprobs` maps token text -> logprob for the most likely
+    tokens, with the token itself added when it is not among them (as vLLM); text_offset counts the
+    characters of the tokens before, from `offset` (the characters already sent in a stream)."""
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    for entry in entries:
+        text = texts(entry.token)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        if entry.logprob is None:
+            token_logprobs.append(None)
+            tops.append(None)
+            continue
+        token_logprobs.append(_value(entry.logprob))
+        top = {texts(t): _value(lp) for t, lp in entry.top}
+        top.setdefault(text, _value(entry.logprob))
+        tops.append(top)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _chat_token(token: int, logprob: float, texts: TokenTexts) -> dict:
+    text = texts(token)
+    return {"token": text, "logprob": _value(logprob), "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(entries: Sequence[TokenLogprob], texts: TokenTexts) -> dict:
+    """The /v1/chat/completions `logprobs` object: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+    content = []
+    for entry in entries:
+        item = _chat_token(entry.token, entry.logprob if entry.logprob is not None else FLOOR, texts)
+        item["top_logprobs"] = [_chat_token(t, lp, texts) for t, lp in entry.top]
+        content.append(item)
+    return {"content": content}
