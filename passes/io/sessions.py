@@ -52,8 +52,34 @@ def open_session(
         source = model if isinstance(model, bytes) else model.SerializeToString()
         if folder is not None:
             options.add_session_config_entry(EXTERNAL_FOLDER_KEY, str(Path(folder).resolve()))
-    return ort.InferenceSession(
-        source, options, providers=list(providers), disabled_optimizers=ORT_DISABLED_OPTIMIZERS
+    try:
+        return ort.InferenceSession(
+            source, options, providers=list(providers), disabled_optimizers=ORT_DISABLED_OPTIMIZERS
+        )
+    except ort.capi.onnxruntime_pybind11_state.NotImplemented as exc:
+        # The CPU provider has no bfloat16 kernels for most ops (Mul, MatMul, ...): the user's fix is a
+        # float32 (or float16) export, not a bug report.
+        if "bfloat16" in str(exc) or (providers == CPU and _has_bfloat16(model, str(exc))):
+            raise UserError(
+                "ONNX Runtime's CPU provider cannot run this bfloat16 graph "
+                f"({str(exc).split(':')[-1].strip()}): export it with --dtype float32 (or float16)"
+            ) from None
+        raise
+
+
+def _has_bfloat16(model: str | Path | onnx.ModelProto | bytes, message: str) -> bool:
+    """Whether the failing model holds bfloat16 tensors (read without its weights)."""
+    if isinstance(model, str | Path):
+        proto = onnx.load(str(model), load_external_data=False)
+    elif isinstance(model, bytes):
+        proto = onnx.load_from_string(model)
+    else:
+        proto = model
+    bf16 = onnx.TensorProto.BFLOAT16
+    values = [*proto.graph.input, *proto.graph.value_info, *proto.graph.output]
+    return "Could not find an implementation" in message and (
+        any(v.type.tensor_type.elem_type == bf16 for v in values)
+        or any(t.data_type == bf16 for t in proto.graph.initializer)
     )
 
 

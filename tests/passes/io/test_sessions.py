@@ -53,3 +53,13 @@ def test_providers():
     assert providers_for("auto")[-1] == "CPUExecutionProvider"
     with pytest.raises(UserError, match="unknown device"):
         providers_for("tpu")
+
+
+def test_bfloat16_graph_on_cpu_is_a_user_error() -> None:
+    """The CPU provider has no bfloat16 Mul: the user is told to export float32, not to report a bug."""
+    x = helper.make_tensor_value_info("x", TensorProto.BFLOAT16, [2])
+    y = helper.make_tensor_value_info("y", TensorProto.BFLOAT16, [2])
+    graph = helper.make_graph([helper.make_node("Mul", ["x", "x"], ["y"])], "g", [x], [y])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.raises(UserError, match=r"cannot run this bfloat16 graph .*--dtype float32"):
+        open_session(model)
