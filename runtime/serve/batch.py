@@ -60,8 +60,6 @@ def _prefilled(logits: np.ndarray, prompt: Sequence[int], top: int | None) -> Pr
 class Runner(Protocol):
     """What the scheduler drives: prefill new sequences, then decode all running ones a step at a time."""
 
-    def prefill(self, key: Hashable, prompt: Sequence[int]) -> np.ndarray: ...  # last logits [vocab]
-
     def prefill_many(
         self, prompts: dict[Hashable, Sequence[int]], scored: Scored | None = None
     ) -> dict[Hashable, Prefilled]: ...
@@ -98,9 +96,6 @@ class CachedRunner:
 
     def __len__(self) -> int:
         return len(self.keys)
-
-    def prefill(self, key: Hashable, prompt: Sequence[int]) -> np.ndarray:
-        return self.prefill_many({key: prompt})[key].logits
 
     def prefill_many(
         self, prompts: dict[Hashable, Sequence[int]], scored: Scored | None = None
@@ -158,9 +153,6 @@ class GroupedRunner:
     def __len__(self) -> int:
         return len(self.caches)
 
-    def prefill(self, key: Hashable, prompt: Sequence[int]) -> np.ndarray:
-        return self.prefill_many({key: prompt})[key].logits
-
     def prefill_many(
         self, prompts: dict[Hashable, Sequence[int]], scored: Scored | None = None
     ) -> dict[Hashable, Prefilled]:
@@ -208,9 +200,6 @@ class RecomputeRunner:
 
     def __len__(self) -> int:
         return len(self.sequences)
-
-    def prefill(self, key: Hashable, prompt: Sequence[int]) -> np.ndarray:
-        return self.prefill_many({key: prompt})[key].logits
 
     def prefill_many(
         self, prompts: dict[Hashable, Sequence[int]], scored: Scored | None = None

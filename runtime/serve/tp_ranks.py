@@ -179,9 +179,6 @@ class TpRanks:
     def __len__(self) -> int:
         return len(self.keys)
 
-    def prefill(self, key: Hashable, prompt: Sequence[int]) -> np.ndarray:
-        return self.prefill_many({key: prompt})[key].logits
-
     def prefill_many(
         self, prompts: dict[Hashable, Sequence[int]], scored: Scored | None = None
     ) -> dict[Hashable, Prefilled]:

@@ -28,10 +28,8 @@ def test_rows_joining_and_leaving_the_batch_decode_as_alone(tmp_path_factory, ru
     schedule = {0: [0, 1], 3: [2], 5: [3, 4]}  # step -> sequences joining then (PROMPTS differ in length)
     for step in range(20):
         joining = {key: PROMPTS[key] for key in schedule.get(step, [])}
-        if len(joining) > 1:  # sequences that arrive together are prefilled together
-            prefilled = {key: out.logits for key, out in runner.prefill_many(joining).items()}
-        else:
-            prefilled = {key: runner.prefill(key, prompt) for key, prompt in joining.items()}
+        # sequences that arrive together are prefilled together
+        prefilled = {key: out.logits for key, out in runner.prefill_many(joining).items()} if joining else {}
         for key, logits in prefilled.items():
             nxt[key] = int(logits.argmax())
             got[key] = [nxt[key]]
