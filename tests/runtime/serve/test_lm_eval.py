@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
-import re
 import shutil
 import subprocess
 import sys
@@ -20,44 +18,15 @@ import pytest
 
 from passes.pipeline import fuse_file
 from passes.plan import Plan
-from runtime.text_sets import EVALUATION_FILES
+from runtime.lm_tasks import CHOICES, license_task
 from tests.corpora.fixtures import GROUPS
 from tests.runtime.serve.clients import launch_cli, wait_healthy
 
 TASK = "license_mc"
 ITEMS = 8
-CHOICES = 4
 TOLERANCE = 0.02  # nats
 NORM = "fold"
 SERVED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
-
-
-def license_task(folder: Path, items: int = ITEMS) -> Path:
-    """A multiple-choice task as lm-eval reads it from disk: the first words of a sentence of the GPL-3
-    text, then its next three words among three other sentences' (seeded)."""
-    text = EVALUATION_FILES["prose"][0].read_text(encoding="utf-8")
-    sentences = [" ".join(s.split()) for s in re.split(r"(?<=[.;:])\s+", text)]
-    sentences = [s for s in sentences if 12 <= len(s.split()) <= 40 and s[0].isalpha()]
-    rng = random.Random(0)
-    picked = rng.sample(sentences, items)
-    spans = [" ".join(s.split()[8:11]) for s in picked]
-    rows = []
-    for k, sentence in enumerate(picked):
-        choices = [spans[(k + d) % items] for d in range(CHOICES)]  # the true span first
-        order = rng.sample(range(CHOICES), CHOICES)
-        context = " ".join(sentence.split()[:8])
-        rows.append({"context": context, "choices": [choices[i] for i in order], "label": order.index(0)})
-    folder.mkdir(parents=True, exist_ok=True)
-    data = folder / "items.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    (folder / f"{TASK}.yaml").write_text(
-        f"task: {TASK}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
-        "test_split: test\noutput_type: multiple_choice\n"
-        'doc_to_text: "{{context}}"\ndoc_to_choice: choices\ndoc_to_target: label\n'
-        "metric_list:\n  - metric: acc\n",
-        encoding="utf-8",
-    )
-    return folder
 
 
 def _environment(tmp_path: Path) -> dict[str, str]:
