@@ -1,4 +1,5 @@
-"""The main job, start to finish: load, validate the plan, fuse, save atomically, check by numbers."""
+"""The main job, start to finish: load, validate the plan, fuse (FFN groups, then parallel blocks), save
+atomically, check by numbers."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from passes.io.model_io import (
     weight_bytes,
 )
 from passes.model_map import find_blocks
+from passes.parallel import ParallelizeBlocks
 from passes.plan import Plan, validate_plan
 from passes.validate import ValidationError, ValidationReport, validate
 
@@ -59,6 +61,9 @@ def fuse_file(
     nodes_before = len(model.graph)
     log(f"fusing {len(plan.groups)} group(s) of {len(blocks)} blocks, norm={plan.norm}")
     FuseFFNGroups(plan)(model)
+    if plan.parallel:  # after the FFN groups: the block walk cannot read a parallelized graph
+        log(f"parallelizing {len(plan.parallel)} group(s) of whole blocks")
+        ParallelizeBlocks(plan)(model)
     external = has_external_data(model_path) or weight_bytes(model) > EXTERNAL_DATA_THRESHOLD
     with staged_output(output) as staging:
         staged = staging / output.name

@@ -10,16 +10,21 @@ from passes.blocks import Block
 from passes.errors import UserError
 
 NORM_MODES = ("last", "fold")
-PLAN_KEYS = {"groups", "norm"}
+PLAN_KEYS = {"groups", "norm", "parallel_blocks"}
 
 
 @dataclass(frozen=True)
 class Plan:
     groups: tuple[tuple[int, int], ...] = field(default_factory=tuple)
     norm: str = "last"
+    # Full-block parallel groups (design §10, passes/parallel.py): blocks i..j all read the same stream.
+    parallel: tuple[tuple[int, int], ...] = field(default_factory=tuple)
 
     def to_json(self) -> str:
-        return json.dumps({"groups": [list(g) for g in self.groups], "norm": self.norm}, sort_keys=True)
+        data = {"groups": [list(g) for g in self.groups], "norm": self.norm}
+        if self.parallel:  # plans without parallel groups keep their old form
+            data["parallel_blocks"] = [list(g) for g in self.parallel]
+        return json.dumps(data, sort_keys=True)
 
     @property
     def removed_ffns(self) -> int:
@@ -33,24 +38,36 @@ def parse_plan(data: object, source: str = "plan") -> Plan:
         raise UserError(f'{source}: expected a JSON object like {{"groups": [[42, 50]], "norm": "last"}}')
     unknown = sorted(set(data) - PLAN_KEYS)
     if unknown:
-        raise UserError(f"{source}: unknown key(s) {', '.join(map(repr, unknown))}; allowed: groups, norm")
+        raise UserError(
+            f"{source}: unknown key(s) {', '.join(map(repr, unknown))}; "
+            "allowed: groups, norm, parallel_blocks"
+        )
     norm = data.get("norm", "last")
     if norm not in NORM_MODES:
         raise UserError(f'{source}: unknown norm mode {norm!r}; use "last" (the paper\'s) or "fold"')
     groups = data.get("groups", [])
     if not isinstance(groups, list):
         raise UserError(f"{source}: groups must be a list of [first, last] block indices")
-    return Plan(tuple(_parse_group(g, source) for g in groups), norm)
+    parallel = data.get("parallel_blocks", [])
+    if not isinstance(parallel, list):
+        raise UserError(f"{source}: parallel_blocks must be a list of [first, last] block indices")
+    return Plan(
+        tuple(_parse_group(g, source) for g in groups),
+        norm,
+        tuple(_parse_group(g, source, "parallel group") for g in parallel),
+    )
 
 
-def _parse_group(group: object, source: str) -> tuple[int, int]:
+def _parse_group(group: object, source: str, what: str = "group") -> tuple[int, int]:
     if not (isinstance(group, list) and len(group) == 2 and all(type(i) is int for i in group)):
-        raise UserError(f"{source}: group {json.dumps(group)} must be [first, last], two integers")
+        raise UserError(f"{source}: {what} {json.dumps(group)} must be [first, last], two integers")
     first, last = group
     if first == last:
-        raise UserError(f"{source}: group [{first}, {last}] has a single block; a group fuses at least two")
+        raise UserError(
+            f"{source}: {what} [{first}, {last}] has a single block; a group spans at least two"
+        )
     if first > last:
-        raise UserError(f"{source}: group [{first}, {last}] is reversed; write [{last}, {first}]")
+        raise UserError(f"{source}: {what} [{first}, {last}] is reversed; write [{last}, {first}]")
     return first, last
 
 
@@ -103,6 +120,48 @@ def validate_plan(plan: Plan, blocks: list[Block]) -> None:
         epsilons = {b.norm.eps for b in members if b.norm is not None}
         if len(epsilons) > 1:
             raise UserError(f"group [{first}, {last}] mixes RMSNorm epsilons {sorted(epsilons)}")
+    validate_parallel(plan, blocks)
+
+
+def validate_parallel(plan: Plan, blocks: list[Block]) -> None:
+    """Check the parallel groups against the model: in range, 2+ blocks, overlapping neither each other nor
+    an FFN group, and every block a full one (softmax attention and a SwiGLU FFN)."""
+    by_index = {b.index: b for b in blocks}
+    taken = [(first, last, "FFN group") for first, last in plan.groups]
+    for first, last in sorted(plan.parallel):
+        name = f"parallel group [{first}, {last}]"
+        if first >= last:
+            raise UserError(f"{name} must be [first, last] with first < last (2+ blocks)")
+        if first not in by_index or last not in by_index:
+            raise UserError(f"{name} is out of range: the model has blocks 0..{len(blocks) - 1}")
+        for other_first, other_last, kind in taken:
+            if first <= other_last and other_first <= last:
+                raise UserError(
+                    f"{name} overlaps {kind} [{other_first}, {other_last}]; a block belongs to one group"
+                )
+        taken.append((first, last, "parallel group"))
+        for block in (by_index[k] for k in range(first, last + 1)):
+            lacks = _not_full(block)
+            if lacks:
+                layer = f" (layer {block.layer_name})" if block.layer_name else ""
+                raise UserError(
+                    f"{name}: block {block.index}{layer} {lacks}; every block of a parallel group needs "
+                    "softmax attention and a SwiGLU FFN (leave it out of the group)"
+                )
+
+
+def _not_full(block: Block) -> str | None:
+    """What a block lacks to be in a parallel group, or None."""
+    if block.attention_kind == "none":
+        return "has no attention part"
+    if block.attention_kind != "attention":
+        what = block.attention_what or block.attention_kind
+        return f"has no softmax attention: its attention part is {what}"
+    if block.ffn_kind == "none":
+        return "has no FFN part"
+    if block.ffn is None:
+        return f"has no SwiGLU FFN: its FFN is {block.ffn_what or block.ffn_kind}"
+    return None
 
 
 def _check_member(block: Block, first: int, last: int, is_first: bool) -> None:

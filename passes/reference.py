@@ -5,6 +5,10 @@
 with w the last block's norm weight ("last") or block k's own ("fold"). It reads the original weights of
 one block at a time, a block of rows at a time, and never builds the concatenated matrices the rewrite
 builds; int4 MatMulNBits weights are dequantized here, independently of ONNX Runtime.
+
+A full-block parallel group (design §10) is referenced by `parallel_blocks_sum`: x + sum_k (block_k(x) - x)
+in float64 from each ORIGINAL block run alone on the same x (passes/analysis/runner.py runs them), its
+difference taken as the branches the block adds (no float32 cancellation of two streams).
 """
 
 from __future__ import annotations
@@ -46,6 +50,12 @@ def parallel_sum(x: np.ndarray, group: list[Block], mode: str) -> np.ndarray:
         weight = norm_weight(norm_block)
         out += ffn(z if weight is None else z * weight, block.ffn)
     return out
+
+
+def parallel_blocks_sum(x: np.ndarray, branches: list[list[np.ndarray]]) -> np.ndarray:
+    """A full-block parallel group (design §10) in float64: x + sum_k (block_k(x) - x), with block_k(x) - x
+    the residual branches (attention, FFN) each original block adds when run on the same input x."""
+    return x.astype(np.float64) + sum(b.astype(np.float64) for block in branches for b in block)
 
 
 def ffn_weight_bytes(block: Block) -> int:

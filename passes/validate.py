@@ -4,7 +4,9 @@
 - end to end: ONNX Runtime runs original and fused on a short input; logits relative error and cosine
   (fusion is an approximation: these are reported, not bounded);
 - exactness: each fused group's output, given the input the fused model fed it, must equal the numpy
-  parallel sum of the original FFNs (passes/reference.py) to `tolerance`.
+  parallel sum of the original FFNs (passes/reference.py) to `tolerance`; each full-block parallel group's
+  output, run alone on the original's stream x, must equal x + sum_k (block_k(x) - x) with every original
+  block run alone on x (passes/analysis/runner.py; its branches, summed in float64).
 When the model is too large to run whole within the memory bound (fuse + validation at most 512 MB,
 issue 13), each fused group is checked on its own subgraph with a random input instead, so memory stays
 near one group's weights (and a group too large for that is evaluated over row blocks, in float64).
@@ -21,8 +23,9 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from passes.analysis.cut import split_skip_norms, stream_names
-from passes.blocks import Block
+from passes.analysis.cut import NameGraph, fill_stream_types, split_skip_norms, stream_names, value_types
+from passes.analysis.runner import STREAMING_BYTES, BlockRunner
+from passes.blocks import Block, ResidualAdd
 from passes.errors import UserError
 from passes.fuse import ffn_members
 from passes.graph_inputs import FeedError, Signature
@@ -31,7 +34,7 @@ from passes.io.sessions import open_session
 from passes.metrics import cosine, l2_relative_error
 from passes.model_map import PLAN_METADATA_KEY, find_blocks, vocab_size
 from passes.plan import Plan, parse_plan
-from passes.reference import ffn_weight_bytes, parallel_sum
+from passes.reference import ffn_weight_bytes, parallel_blocks_sum, parallel_sum
 
 # Above this many weight bytes the whole-model run is replaced by per-group subgraph checks. A whole-model
 # run holds every weight in ONNX Runtime, on top of the ~150 MB of the fusing process: a 0.40 GB model
@@ -47,6 +50,7 @@ class ValidationError(UserError):
 class GroupCheck:
     group: tuple[int, int]
     rel_error: float  # ||fused - reference|| / ||reference - input||: error relative to the FFN sum
+    kind: str = "ffn"  # "ffn" (an FFN group) or "parallel" (a full-block parallel group)
 
 
 @dataclass
@@ -71,8 +75,10 @@ class ValidationReport:
             )
         for g in self.groups:
             verdict = "ok" if g.rel_error <= self.tolerance else "MISMATCH"
+            what = "parallel group" if g.kind == "parallel" else "group"
+            reference = "block-sum" if g.kind == "parallel" else "parallel-sum"
             out.append(
-                f"group {list(g.group)} vs parallel-sum reference ({self.mode}): "
+                f"{what} {list(g.group)} vs {reference} reference ({self.mode}): "
                 f"relative error {g.rel_error:.3g} (<= {self.tolerance:g}) {verdict}"
             )
         return out
@@ -109,6 +115,8 @@ def plan_from_metadata(path: Path) -> Plan:
 def validate(
     original: Path, fused: Path, plan: Plan, tokens: np.ndarray | None = None, tolerance: float | None = None
 ) -> ValidationReport:
+    if plan.parallel:
+        return _validate_parallel_plan(original, fused, plan, tokens, tolerance)
     notes = check_structure(fused)
     original_blocks = find_blocks(load_model(original))
     fused_model = load_model(fused)
@@ -288,3 +296,95 @@ def contribution_error(x: np.ndarray, fused: np.ndarray, reference: np.ndarray) 
     """How far what a fused group adds to the stream x is from what the reference adds:
     ||fused - reference|| / ||reference - x|| (the group's own contribution, not the whole stream)."""
     return float(np.linalg.norm(fused - reference) / max(np.linalg.norm(reference - x), 1e-30))
+
+
+# ------------------------------------------------------------------------------- plans with parallel groups
+
+
+def _validate_parallel_plan(
+    original: Path, fused: Path, plan: Plan, tokens: np.ndarray | None, tolerance: float | None
+) -> ValidationReport:
+    """A plan with parallel groups (passes/parallel.py). The block walk cannot read a parallelized graph, so
+    every group is found in the fused graph by the names of the original's streams (the rewrite keeps
+    them), cut out from its input stream to its output and run alone on the ORIGINAL model's stream there.
+    A parallel group is compared with x + sum_k (block_k(x) - x), each original block run alone on x
+    (BlockRunner), an FFN group with the numpy parallel sum of its original FFNs."""
+    notes = check_structure(fused)
+    runner = BlockRunner(original)
+    blocks = runner.blocks
+    tokens = default_tokens(blocks) if tokens is None else tokens
+    proto = _typed(fused)
+    spans = [  # (kind, group, its input stream, its output stream)
+        ("parallel", g, blocks[g[0]].block_input.name, _sum_name(proto, blocks[g[1]].last_residual))
+        for g in plan.parallel
+    ]
+    for group in plan.groups:
+        members = ffn_members(blocks, group)
+        spans.append(("ffn", group, members[0].ffn_input.name, _sum_name(proto, members[-1].residual)))
+    captured = runner.capture(tokens, extra=[x for _, _, x, _ in spans])
+    report = ValidationReport("per group")
+    for kind, group, x_name, y_name in spans:
+        x = captured[x_name]
+        y = _run_span(proto, fused.parent, x_name, y_name, x, captured)
+        if kind == "parallel":
+            branches = [runner.run_branches(k, x) for k in range(group[0], group[1] + 1)]
+            reference = parallel_blocks_sum(x, branches)
+        else:
+            reference = parallel_sum(x, ffn_members(blocks, group), plan.norm)
+        report.groups.append(GroupCheck(group, contribution_error(x, y, reference), kind))
+    original_logits = runner.logits
+    runner.close()
+    if weight_bytes(load_model(fused)) <= STREAMING_BYTES:  # one whole-model session at a time
+        logits = _run(load_proto(fused), fused.parent, tokens)[0]
+        report.logits_rel_error = l2_relative_error(logits, original_logits)
+        report.logits_cosine = cosine(logits, original_logits)
+    else:
+        notes.append("logits vs original: not compared (model too large to run whole; groups checked alone)")
+    report.tolerance = tolerance if tolerance is not None else exactness_tolerance(blocks)
+    report.notes = notes
+    return report
+
+
+def _typed(path: Path) -> onnx.ModelProto:
+    """The model proto (external data left on disk) with value types from shape inference, where it works."""
+    proto = load_proto(path)
+    try:
+        return onnx.shape_inference.infer_shapes(proto)
+    except (onnx.shape_inference.InferenceError, RuntimeError):
+        return proto
+
+
+def _sum_name(proto: onnx.ModelProto, residual: ResidualAdd) -> str:
+    """The name in the fused `proto` of the stream a residual add of the original writes: its node keeps
+    its output 0 through the rewrites. A Skip*Normalization's sum (output 3) is named if the graph left it
+    unnamed (the final norm)."""
+    output = residual.node.outputs[0].name
+    node = next((n for n in proto.graph.node if n.output and n.output[0] == output), None)
+    if node is None:
+        raise ValidationError(f"the fused model has no node writing {output!r}: the rewrite lost a stream")
+    if node.op_type == "Add":
+        return output
+    while len(node.output) < 4:
+        node.output.append("")
+    if not node.output[3]:
+        node.output[3] = f"{node.name or output}/residual_sum"
+    return node.output[3]
+
+
+def _run_span(
+    proto: onnx.ModelProto, folder: Path, x_name: str, y_name: str, x: np.ndarray, values: dict
+) -> np.ndarray:
+    """The fused graph from stream x_name to stream y_name, alone: x given, side tensors from `values`."""
+    split_skip_norms(proto, [x_name])  # a Skip*Norm at x also computes the group's first norm: its own
+    fill_stream_types(proto, [x_name, y_name])
+    side = NameGraph(proto).block_side_inputs(x_name, y_name)
+    missing = [name for name in side if name not in values]
+    if missing:
+        raise ValidationError(f"the group from {x_name!r} reads {missing[0]!r}, which the original lacks")
+    types = value_types(proto)
+    unknown = [name for name in side if name not in types]
+    if unknown:
+        raise ValidationError(f"the type of {unknown[0]!r} is unknown (shape inference failed)")
+    sub = onnx.utils.Extractor(proto).extract_model([x_name, *side], [y_name])
+    feed = {x_name: x, **{name: values[name] for name in side}}
+    return _session(sub, folder).run(None, feed)[0]

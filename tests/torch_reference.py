@@ -1,5 +1,6 @@
 """The independent torch reference of a fused model: the HF model with each planned group of layers
-replaced by its parallel sum x + sum_k mlp_k(norm(x)) (design §2; the paper's FFN Fusion, in torch)."""
+replaced by its parallel sum x + sum_k mlp_k(norm(x)) (design §2; the paper's FFN Fusion, in torch), and
+each parallel group of whole layers by x + sum_k (layer_k(x) - x) (design §10, block parallelization)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,32 @@ def parallel_model(model: torch.nn.Module, groups, mode: str) -> torch.nn.Module
     for first, last in groups:
         group = [layers[k] for k in range(first, last + 1)]
         layers[first] = ParallelGroup(group, mode)
+        for k in range(first + 1, last + 1):
+            layers[k] = Passthrough()
+    return model
+
+
+class ParallelBlocks(torch.nn.Module):
+    """Whole layers i..j of a parallel group (design §10) reading one stream: x + sum_k (layer_k(x) - x)."""
+
+    def __init__(self, layers: list[torch.nn.Module]):
+        super().__init__()
+        self.group = torch.nn.ModuleList(layers)
+
+    def forward(self, hidden_states, *args, **kwargs):
+        out = hidden_states
+        for layer in self.group:
+            result = layer(hidden_states, *args, **kwargs)
+            result = result[0] if isinstance(result, tuple) else result  # older transformers return tuples
+            out = out + (result - hidden_states)
+        return out
+
+
+def parallel_blocks_model(model: torch.nn.Module, groups) -> torch.nn.Module:
+    """Replace each parallel group [i, j] of `model.model.layers` by ParallelBlocks in place."""
+    layers = model.model.layers
+    for first, last in groups:
+        layers[first] = ParallelBlocks([layers[k] for k in range(first, last + 1)])
         for k in range(first + 1, last + 1):
             layers[k] = Passthrough()
     return model

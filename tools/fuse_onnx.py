@@ -27,6 +27,8 @@ examples:
 plan.json: {"groups": [[13, 17], [18, 21]], "norm": "last"}   (block numbers = source layers, inclusive;
   blocks i+1..j of a group must have no attention part and no group a Linear FFN; norm "last" (paper)
   or "fold")
+  optional "parallel_blocks": [[4, 7]]: whole blocks i..j (each softmax attention + SwiGLU FFN) read one
+  stream, y = x + sum_k (block_k(x) - x); not overlapping the FFN groups
 """
 
 
@@ -104,6 +106,9 @@ def fuse(args: argparse.Namespace) -> int:
         or "none (empty plan)"
     )
     print(f"fused groups: {groups}")
+    if plan.parallel:
+        parallel = ", ".join(f"[{i}, {j}] ({j - i + 1} blocks read one stream)" for i, j in plan.parallel)
+        print(f"parallel groups: {parallel}")
     print(f"blocks: {len(result.blocks_before)} -> {result.blocks_after}")
     print(f"nodes: {result.nodes_before} -> {result.nodes_after}")
     if result.report is not None:

@@ -221,6 +221,16 @@ class BlockRunner:
         feed = {self.cuts[k].input_name: stream, **{n: self.side[n] for n in side}}
         return np.array(sess.run(None, feed)[0])  # a copy: see run_block
 
+    def run_branches(self, k: int, stream: np.ndarray) -> list[np.ndarray]:
+        """What block k's parts add to the stream for block input `stream`: its attention and FFN residual
+        branches (block_k(x) - x, without the float32 cancellation of subtracting two streams)."""
+        block, cut = self.blocks[k], self.cuts[k]
+        names = [r.branch.name for r in (block.attention_residual, block.residual) if r is not None]
+        fill_stream_types(self.proto, [cut.input_name, *names])
+        sub = onnx.utils.Extractor(self.proto).extract_model([cut.input_name, *cut.side_inputs], names)
+        feed = {cut.input_name: stream, **{n: self.side[n] for n in cut.side_inputs}}
+        return [np.array(v) for v in session(sub, self.path.parent, self.threads).run(None, feed)]
+
     def run_block(self, k: int, stream: np.ndarray) -> np.ndarray:
         """Block k's output stream for input `stream` (side tensors from the last capture)."""
         if self.cuts[k].proto is None:  # an identity block

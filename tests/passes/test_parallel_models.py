@@ -1,0 +1,75 @@
+"""Full-block parallelization (passes/parallel.py) on the real SmolLM2-135M and on third-party exports: two
+4-block parallel groups validate against the block-by-block reference of the original, and the logits equal
+an independent torch implementation of the formula (tests/torch_reference.py) within 1e-4."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from passes.graph_inputs import Signature
+from passes.io.sessions import open_session
+from passes.pipeline import fuse_file
+from passes.plan import parse_plan
+from tests.torch_reference import parallel_blocks_model
+
+pytestmark = pytest.mark.slow
+IDS = np.random.default_rng(3).integers(0, 49152, size=(1, 11))
+SMOLLM2_GROUPS = [[4, 7], [12, 15]]
+# The corpus has attention dropped from blocks 13-22 (tests/corpora): full blocks are 0-12 and 23-29.
+CORPUS_GROUPS = [[2, 5], [24, 27]]
+# Optimum (with and without past) and GenAI fp32 (a SkipSimplifiedLayerNormalization residual chain).
+CORPUS_ENTRIES = ["optimum", "optimum-nopast", "genai-fp32"]
+
+
+def ort_logits(path: Path) -> np.ndarray:
+    proto = onnx.load(str(path), load_external_data=False)
+    signature = Signature.of(proto)
+    session = open_session(proto, folder=path.parent)
+    return session.run([signature.logits.name], signature.feeds(IDS))[0]
+
+
+def torch_logits(model: torch.nn.Module, groups) -> np.ndarray:
+    parallel_blocks_model(model, groups)
+    with torch.no_grad():
+        return model(input_ids=torch.from_numpy(IDS), use_cache=False).logits.numpy()
+
+
+def rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def check(report, groups) -> None:
+    assert report.ok and [list(g.group) for g in report.groups] == groups
+    assert all(g.kind == "parallel" and g.rel_error <= 1e-5 for g in report.groups)
+    assert report.logits_rel_error is not None and report.logits_cosine is not None
+
+
+def test_smollm2_two_parallel_groups_equal_torch(tmp_path) -> None:
+    from exporters import smollm2
+    from exporters.onnx_export import export_smollm2
+
+    source = tmp_path / "smollm2.onnx"
+    export_smollm2(source, drop_attention=())
+    out = tmp_path / "smollm2.parallel.onnx"
+    report = fuse_file(source, parse_plan({"parallel_blocks": SMOLLM2_GROUPS}), out).report
+    check(report, SMOLLM2_GROUPS)
+    print("\n".join(report.lines()))
+    assert rel(ort_logits(out), torch_logits(smollm2.load_torch_model(), SMOLLM2_GROUPS)) < 1e-4
+
+
+@pytest.mark.parametrize("name", CORPUS_ENTRIES)
+def test_third_party_parallel_groups_equal_torch(third_party_corpus, corpus_hf, tmp_path, name) -> None:
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "model.parallel.onnx"
+    plan = parse_plan(json.loads(json.dumps({"groups": [], "parallel_blocks": CORPUS_GROUPS})))
+    report = fuse_file(third_party_corpus[name], plan, out).report
+    check(report, CORPUS_GROUPS)
+    model = AutoModelForCausalLM.from_pretrained(corpus_hf, dtype=torch.float32).eval()
+    assert rel(ort_logits(out), torch_logits(model, CORPUS_GROUPS)) < 1e-4
