@@ -24,7 +24,9 @@ SMOLLM2_GROUPS = [[4, 7], [12, 15]]
 # The corpus has attention dropped from blocks 13-22 (tests/corpora): full blocks are 0-12 and 23-29.
 CORPUS_GROUPS = [[2, 5], [24, 27]]
 # Optimum (with and without past) and GenAI fp32 (a SkipSimplifiedLayerNormalization residual chain).
-CORPUS_ENTRIES = ["optimum", "optimum-nopast", "genai-fp32"]
+CORPUS_ENTRIES = [
+    "optimum", "optimum-nopast", "genai-fp32", "torchscript-17", "dynamo-18", "ort-optimizer", "dynamo-23"
+]
 
 
 def ort_logits(path: Path) -> np.ndarray:
