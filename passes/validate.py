@@ -29,7 +29,7 @@ from passes.blocks import Block, ResidualAdd
 from passes.errors import UserError
 from passes.fuse import ffn_members
 from passes.graph_inputs import FeedError, Signature
-from passes.io.model_io import load_model, load_proto, weight_bytes
+from passes.io.model_io import load_model, load_proto, load_typed_proto, weight_bytes
 from passes.io.sessions import open_session
 from passes.metrics import cosine, l2_relative_error
 from passes.model_map import PLAN_METADATA_KEY, find_blocks, vocab_size
@@ -313,7 +313,7 @@ def _validate_parallel_plan(
     runner = BlockRunner(original)
     blocks = runner.blocks
     tokens = default_tokens(blocks) if tokens is None else tokens
-    proto = _typed(fused)
+    proto = load_typed_proto(fused)
     spans = [  # (kind, group, its input stream, its output stream)
         ("parallel", g, blocks[g[0]].block_input.name, _sum_name(proto, blocks[g[1]].last_residual))
         for g in plan.parallel
@@ -344,14 +344,6 @@ def _validate_parallel_plan(
     report.notes = notes
     return report
 
-
-def _typed(path: Path) -> onnx.ModelProto:
-    """The model proto (external data left on disk) with value types from shape inference, where it works."""
-    proto = load_proto(path)
-    try:
-        return onnx.shape_inference.infer_shapes(proto)
-    except (onnx.shape_inference.InferenceError, RuntimeError):
-        return proto
 
 
 def _sum_name(proto: onnx.ModelProto, residual: ResidualAdd) -> str:

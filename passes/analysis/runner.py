@@ -20,7 +20,7 @@ import onnxruntime as ort
 from passes.analysis.cut import NameGraph, cut_blocks, fill_stream_types, split_skip_norms, value_types
 from passes.errors import UserError
 from passes.graph_inputs import Signature
-from passes.io.model_io import load_model, load_proto, weight_bytes
+from passes.io.model_io import load_model, load_proto, load_typed_proto, weight_bytes
 from passes.io.sessions import open_session
 from passes.model_map import find_blocks, vocab_size
 from passes.reference import ffn_weight_bytes, parallel_sum
@@ -39,14 +39,6 @@ def session(
     return open_session(proto, folder=folder, threads=threads or None, prepack=prepack)
 
 
-def _typed_proto(path: Path) -> onnx.ModelProto:
-    """The model proto (external data left on disk) with value types from shape inference."""
-    proto = load_proto(path)
-    try:
-        return onnx.shape_inference.infer_shapes(proto)
-    except (onnx.shape_inference.InferenceError, RuntimeError):
-        return proto
-
 
 class BlockRunner:
     """Runs a decoder whole (capturing streams and side tensors) or block by block."""
@@ -61,7 +53,7 @@ class BlockRunner:
         self.path = Path(model_path)
         model = load_model(self.path)
         self.blocks = find_blocks(model)
-        self.proto = _typed_proto(self.path)
+        self.proto = load_typed_proto(self.path)
         self.cuts = cut_blocks(self.blocks, self.proto)
         self.threads = threads
         # Streaming (models larger than RAM; default: above STREAMING_BYTES of weights): at most one block's

@@ -39,6 +39,15 @@ def load_proto(path: str | Path) -> onnx.ModelProto:
     return proto
 
 
+def load_typed_proto(path: str | Path) -> onnx.ModelProto:
+    """load_proto with value types from shape inference, where it works (cut graphs need typed edges)."""
+    proto = load_proto(path)
+    try:
+        return onnx.shape_inference.infer_shapes(proto)
+    except (onnx.shape_inference.InferenceError, RuntimeError):
+        return proto
+
+
 def check_external_data(proto: onnx.ModelProto, folder: Path) -> None:
     folder = folder.resolve()
     for tensor in _external_tensors(proto):
