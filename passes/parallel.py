@@ -48,6 +48,7 @@ class ParallelizeBlocks(ir.passes.InPlacePass):
     def __init__(self, plan: Plan):
         super().__init__()
         self.plan = plan
+        self._checked: ir.Model | None = None  # the model `requires` found self._groups in
         self._groups: list[list[Block]] = []
 
     def requires(self, model: ir.Model) -> None:
@@ -59,12 +60,14 @@ class ParallelizeBlocks(ir.passes.InPlacePass):
             self._groups = [_members(blocks, group, shift) for group in self.plan.parallel]
             for group, members in zip(self.plan.parallel, self._groups, strict=True):
                 _check_forms(group, members)
+            self._checked = model
         except UserError as exc:
             raise PassInputError(str(exc)) from None
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        if not self._groups and self.plan.parallel:  # PassBase runs `requires` just before
+        if self._checked is not model:  # PassBase runs `requires` just before; a direct call does not
             self.requires(model)
+        self._checked = None
         for group, members in zip(self.plan.parallel, self._groups, strict=True):
             _parallelize(model.graph, members, group)
         model.metadata_props[PLAN_METADATA_KEY] = self.plan.to_json()
