@@ -70,6 +70,9 @@ class Block:
     attention_what: str | None = None
     ffn_what: str | None = None
     kv_heads: int | None = None  # softmax attention: its KV heads, where the recognizer reads them
+    # The parallel group (first, last) the block is a member of (passes/parallel.py wrote it): every member
+    # reads the group's input, and `residual` is the group's add (x + the sum of all members' branches).
+    parallel: tuple[int, int] | None = None
 
     @property
     def attention(self) -> bool:
@@ -111,6 +114,8 @@ class Block:
     def ffn_input(self) -> ir.Value:
         """The stream entering the FFN part (after the attention part); the block output when there is
         no FFN part."""
+        if self.parallel is not None and self.attention_residual is not None:
+            return self.attention_residual.output or self.block_input  # h = x + a, this member's own
         if self.residual is not None:
             return self.residual.stream_in
         output = self.output
@@ -147,4 +152,5 @@ class Block:
             "dtype": self.dtype.name.lower() if self.dtype is not None else None,
             "norm": self.norm.kind if self.norm is not None else None,
             "layer": self.layer_name,
+            "parallel": list(self.parallel) if self.parallel else None,
         }

@@ -40,10 +40,15 @@ def format_block_table(blocks: list[Block]) -> str:
         dtype = b.dtype.name.lower() if b.dtype is not None else "-"
         norm = b.norm.kind if b.norm is not None else "-"
         layer = b.layer_name or ("(identity: no nodes)" if b.is_identity else "")
+        if b.parallel is not None:
+            layer = f"{layer}  parallel [{b.parallel[0]}, {b.parallel[1]}]".lstrip()
         lines.append(
             f"{b.index:>5}  {b.attention_label():<10}  {b.ffn_label():<12}  {dtype:<8}  {norm:<13}  {layer}"
         )
     lines.append(f"stream: {stream_map(blocks)}")
     lines.append(f"ffns:   {ffn_map(blocks)}")
     lines.append(f"attention-free runs: {_runs_text(blocks)}")
+    groups = sorted({b.parallel for b in blocks if b.parallel is not None})
+    if groups:
+        lines.append("parallel groups: " + ", ".join(f"[{i}, {j}]" for i, j in groups))
     return "\n".join(lines)

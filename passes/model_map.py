@@ -7,6 +7,7 @@
     model_map.blocks                          # [Block] in stream order (passes/blocks.py records)
     model_map.attention_of(i)                 # AttentionBlock | None for block i; .record is the typed
                                               # passes.patterns.attention.Attention (heads, KV heads, ...)
+    model_map.parallel                        # [ParallelSum]: the parallel groups passes/parallel.py wrote
     model_map.final_norm, model_map.lm_head   # Norm | None, LmHead | None
     model_map.signature                       # passes.graph_inputs.Signature (what each input means)
     model_map.vocab_size
@@ -31,6 +32,13 @@ branches, else as seen (an attention branch starts a block, a SwiGLU branch ends
 fills the attention slot of an empty block, else the FFN slot). A plan group may not contain an attention
 part after its first block, nor a Linear or other FFN (passes/plan.py).
 
+A parallel group (paper section 6, passes/parallel.py) reads as a `ParallelSum`: several residual adds of one
+stream x ending in a projection (each member's attention, x + a_k), and one add of x and the sum of every
+member's branches, whose output is the stream after the group. Its members' branches are listed in block
+order (attention k, then FFN k, which reads h_k = x + a_k); each carries the group's position
+(`ResidualBranch.group`), and an FFN branch's `residual` is the group's add (it has none of its own).
+Blocks of a parallel group record it (`Block.parallel`).
+
 This is the only stream walker: passes and tools call `build_model_map` (or `find_blocks`, which
 returns its blocks, or `walk_stream` where a graph need not have SwiGLU blocks: the sharder).
 """
@@ -38,6 +46,7 @@ returns its blocks, or `walk_stream` where a graph need not have SwiGLU blocks: 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import functools
 import json
 import re
@@ -88,10 +97,12 @@ class ResidualBranch:
     norm: Norm | None = None  # "ffn" only
     ffn: SwiGLU | None = None  # "ffn" only
     why: str = ""  # "linear"/"other": what the branch is, and why it is no SwiGLU FFN
+    group: int | None = None  # position in Stream.parallel when the branch is a parallel group member's
+    value: ir.Value | None = None  # what the branch computes where `residual` adds a sum of branches
 
     @property
     def output(self) -> ir.Value:
-        return self.residual.branch
+        return self.value if self.value is not None else self.residual.branch
 
     @functools.cached_property
     def nodes(self) -> frozenset[ir.Node]:
@@ -106,6 +117,23 @@ class ResidualBranch:
     def describe(self) -> str:
         layer = layer_name(self.projection or self.output.producer())
         return f"residual branch {self.index} [{self.kind}]" + (f" ({layer})" if layer else "")
+
+
+@dataclass(frozen=True)
+class ParallelSum:
+    """A parallel group as passes/parallel.py writes it: y = x + (sum_k a_k) + (sum_k f_k), every member's
+    attention reading x, its FFN reading h_k = x + a_k."""
+
+    input: ir.Value  # x, the stream entering the group
+    residual: ResidualAdd  # x + the branch sum; its output is the stream after the group
+    attention: tuple[ResidualBranch, ...]  # the members' attention branches, in block order
+    ffns: tuple[ResidualBranch, ...]  # the members' FFN branches, in block order
+    attention_sum: ir.Value  # a_1 + ... + a_n
+    ffn_sum: ir.Value  # f_1 + ... + f_n
+
+    @property
+    def size(self) -> int:
+        return len(self.attention)
 
 
 @dataclass(frozen=True)
@@ -146,6 +174,7 @@ class ModelMap:
     attention: tuple[AttentionBlock, ...]
     final_norm: Norm | None
     lm_head: LmHead | None
+    parallel: tuple[ParallelSum, ...] = ()
 
     def attention_of(self, index: int) -> AttentionBlock | None:
         return next((a for a in self.attention if a.index == index), None)
@@ -168,6 +197,7 @@ class Stream:
     embedding: Embedding | None
     start: ir.Value
     branches: tuple[ResidualBranch, ...]
+    parallel: tuple[ParallelSum, ...] = ()
 
     @property
     def last(self) -> ResidualAdd | None:
@@ -183,7 +213,7 @@ def build_model_map(model: ir.Model) -> ModelMap:
     final_norm, lm_head = _head(graph, signature, stream.last, stream.embedding)
     return ModelMap(
         graph, signature, stream.embedding, stream.start, stream.branches, tuple(blocks), tuple(attention),
-        final_norm, lm_head,
+        final_norm, lm_head, stream.parallel,
     )
 
 
@@ -196,11 +226,21 @@ def walk_stream(model: ir.Model, signature: Signature | None = None) -> Stream:
     else:
         start = _stream_input(graph, signature if signature is not None else Signature.of(model))
     branches: list[ResidualBranch] = []
+    groups: list[ParallelSum] = []
     stream: ir.Value | None = start
-    while stream is not None and (residual := _residual_add(stream)) is not None:
+    while stream is not None:
+        group = _parallel_sum(stream, len(branches), len(groups))
+        if group is not None:
+            groups.append(group)
+            branches.extend(b for pair in zip(group.attention, group.ffns, strict=True) for b in pair)
+            stream = group.residual.output
+            continue
+        residual = _residual_add(stream)
+        if residual is None:
+            break
         branches.append(_classify(len(branches), stream, residual))
         stream = residual.output
-    return Stream(embedding, start, tuple(branches))
+    return Stream(embedding, start, tuple(branches), tuple(groups))
 
 
 def find_lm_head(model: ir.Model, stream: Stream) -> LmHead | None:
@@ -249,6 +289,7 @@ def _blocks(
         block = _block(index, attn, ffn, stream, names[index] if names else None)
         blocks.append(block)
         stream = block.output if block.output is not None else stream
+    blocks = _mark_parallel(blocks, parts)
     attention = [
         AttentionBlock(i, attn.residual, attn.start)
         for i, (attn, _) in enumerate(parts)
@@ -258,6 +299,16 @@ def _blocks(
 
 
 Parts = tuple["ResidualBranch | None", "ResidualBranch | None"]  # a layer's attention and FFN branches
+
+
+def _mark_parallel(blocks: list[Block], parts: list[Parts]) -> list[Block]:
+    """Record each parallel group's (first, last) block numbers in its members."""
+    members: dict[int, list[int]] = {}
+    for block, (attn, _) in zip(blocks, parts, strict=True):
+        if attn is not None and attn.group is not None:
+            members.setdefault(attn.group, []).append(block.index)
+    span = {i: (group[0], group[-1]) for group in members.values() for i in group}
+    return [dataclasses.replace(b, parallel=span[b.index]) if b.index in span else b for b in blocks]
 
 
 def _parts_as_seen(branches: tuple[ResidualBranch, ...]) -> list[Parts]:
@@ -375,7 +426,11 @@ def layer_map(model: ir.Model) -> list[tuple[str, str, str]] | None:
 
 
 def _match_ffn(residual: ResidualAdd, stream: ir.Value) -> tuple[SwiGLU, Norm]:
-    ffn = match_swiglu(residual.branch)
+    return _match_ffn_output(residual.branch, stream)
+
+
+def _match_ffn_output(output: ir.Value, stream: ir.Value) -> tuple[SwiGLU, Norm]:
+    ffn = match_swiglu(output)
     norm = match_rmsnorm(ffn.input)
     if _root(norm.input) is not _root(stream):
         raise NoMatch("the FFN's RMSNorm does not read the residual stream")
@@ -408,14 +463,20 @@ def _root(value: ir.Value) -> ir.Value:
     return value
 
 
-def _residual_add(stream: ir.Value) -> ResidualAdd | None:
-    """The residual add that consumes `stream` (or a copy of it), if the stream goes on."""
+def _residual_candidates(stream: ir.Value) -> list[ResidualAdd]:
+    """Every residual-add node that reads `stream` (or a copy of it) in its first two inputs."""
     candidates = []
     for value in aliases(stream):
         for use in value.uses():
             node, slot = use.node, use.idx
             if node.op_type in RESIDUAL_OPS and slot in (0, 1):
                 candidates.append(ResidualAdd(node, slot, 1 - slot))
+    return candidates
+
+
+def _residual_add(stream: ir.Value) -> ResidualAdd | None:
+    """The residual add that consumes `stream` (or a copy of it), if the stream goes on."""
+    candidates = _residual_candidates(stream)
     # The residual add's branch ends in a projection (maybe plus a bias); other adds of the stream do not.
     ending_in_linear = [c for c in candidates if end_projection(c.branch) is not None]
     if len(ending_in_linear) > 1:
@@ -423,6 +484,71 @@ def _residual_add(stream: ir.Value) -> ResidualAdd | None:
         raise UserError(f"the residual stream {stream.name!r} feeds several residual adds ({names})")
     chosen = ending_in_linear or candidates
     return chosen[0] if len(chosen) == 1 else None
+
+
+def _parallel_sum(stream: ir.Value, index: int, number: int) -> ParallelSum | None:
+    """The parallel group that starts at `stream`, if one does (module docstring); `index` is the position of
+    its first branch among all branches, `number` its own among the groups."""
+    candidates = _residual_candidates(stream)
+    attention = [c for c in candidates if end_projection(c.branch) is not None]
+    if len(attention) < 2:
+        return None
+    for total in (c for c in candidates if c not in attention):
+        node = total.branch.producer()
+        if node is None or node.op_type != "Add" or end_projection(total.branch) is not None:
+            continue
+        attention_sum, ffn_sum = node.inputs[0], node.inputs[1]
+        by_output = {c.branch: c for c in attention}
+        adds = [by_output.get(v) for v in _addends(attention_sum)]
+        if len(adds) != len(attention) or None in adds or len(set(map(id, adds))) != len(adds):
+            continue
+        members = _parallel_members(stream, [a for a in adds if a is not None], _addends(ffn_sum), total,
+                                    index, number)
+        if members is not None:
+            attn, ffns = members
+            return ParallelSum(stream, total, attn, ffns, attention_sum, ffn_sum)
+    return None
+
+
+def _parallel_members(
+    x: ir.Value, adds: list[ResidualAdd], outputs: list[ir.Value], total: ResidualAdd, index: int, number: int
+) -> tuple[tuple[ResidualBranch, ...], tuple[ResidualBranch, ...]] | None:
+    """Each member's attention branch (added to x by `adds`) and its FFN branch (one of `outputs`, reading
+    that member's h = x + a); None when the FFN outputs do not pair one to one with the members."""
+    if len(outputs) != len(adds):
+        return None
+    attention, ffns, left = [], [], list(outputs)
+    for k, add in enumerate(adds):
+        h = add.output
+        found = None
+        for output in left:
+            try:
+                found = (output, *_match_ffn_output(output, h))
+                break
+            except NoMatch:
+                continue
+        if h is None or found is None:
+            return None
+        output, ffn, norm = found
+        left.remove(output)
+        start = _branch_start(x)  # blocks after the first read x through a norm of their own
+        start = start if branch_nodes(add.branch, start) else x
+        position = index + 2 * k
+        attention.append(ResidualBranch(position, "attention", x, start, add, group=number))
+        ffns.append(ResidualBranch(position + 1, "ffn", h, _branch_start(h), total, norm, ffn, group=number,
+                                   value=output))
+    return tuple(attention), tuple(ffns)
+
+
+def _addends(value: ir.Value) -> list[ir.Value]:
+    """The terms of a sum of branch outputs, left first: through Add nodes of two computed values (a
+    projection's bias Add is a term, not a sum)."""
+    node = value.producer()
+    if node is None or node.op_type != "Add" or end_projection(value) is not None:
+        return [value]
+    if any(v is None or is_initializer(v) for v in node.inputs):
+        return [value]
+    return [*_addends(node.inputs[0]), *_addends(node.inputs[1])]
 
 
 def _branch_start(stream: ir.Value) -> ir.Value:

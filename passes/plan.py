@@ -101,6 +101,7 @@ def validate_plan(plan: Plan, blocks: list[Block]) -> None:
         previous = (first, last)
         group = [by_index[k] for k in range(first, last + 1)]
         for block in group:
+            _check_parallel_member(block, f"group [{first}, {last}]")
             _check_member(block, first, last, block.index == first)
         members = [b for b in group if b.ffn is not None]
         if len(members) < 2:
@@ -141,6 +142,7 @@ def validate_parallel(plan: Plan, blocks: list[Block]) -> None:
                 )
         taken.append((first, last, "parallel group"))
         for block in (by_index[k] for k in range(first, last + 1)):
+            _check_parallel_member(block, name)
             lacks = _not_full(block)
             if lacks:
                 layer = f" (layer {block.layer_name})" if block.layer_name else ""
@@ -148,6 +150,16 @@ def validate_parallel(plan: Plan, blocks: list[Block]) -> None:
                     f"{name}: block {block.index}{layer} {lacks}; every block of a parallel group needs "
                     "softmax attention and a SwiGLU FFN (leave it out of the group)"
                 )
+
+
+def _check_parallel_member(block: Block, name: str) -> None:
+    """A block of a graph's parallel group (already rewritten) cannot join another group."""
+    if block.parallel is not None:
+        first, last = block.parallel
+        raise UserError(
+            f"{name}: block {block.index} is in the graph's parallel group [{first}, {last}] already; "
+            "write the plan for the original model"
+        )
 
 
 def _not_full(block: Block) -> str | None:

@@ -53,6 +53,13 @@ class BlockRunner:
         self.path = Path(model_path)
         model = load_model(self.path)
         self.blocks = find_blocks(model)
+        grouped = next((b for b in self.blocks if b.parallel is not None), None)
+        if grouped is not None and grouped.parallel is not None:
+            # Members of a parallel group share one input and one output: there is no block to cut out.
+            raise UserError(
+                f"{self.path}: blocks {grouped.parallel[0]}..{grouped.parallel[1]} run in parallel "
+                "(a parallel-block graph); run block-by-block analysis on the original model"
+            )
         self.proto = load_typed_proto(self.path)
         self.cuts = cut_blocks(self.blocks, self.proto)
         self.threads = threads

@@ -15,11 +15,13 @@ from exporters.decode import export_spec_decode
 from exporters.llama import build_model
 from exporters.onnx_export import export_spec_model
 from exporters.spec import BlockSpec, ModelSpec
+from passes.analysis.runner import BlockRunner
+from passes.display import format_block_table
 from passes.errors import UserError
 from passes.graph_inputs import Signature
 from passes.io.model_io import load_model
 from passes.io.sessions import open_session
-from passes.model_map import PLAN_METADATA_KEY, find_blocks
+from passes.model_map import PLAN_METADATA_KEY, build_model_map, find_blocks
 from passes.pipeline import fuse_file
 from passes.plan import Plan, parse_plan, validate_plan
 from passes.validate import plan_from_metadata
@@ -88,6 +90,30 @@ def test_parallel_and_ffn_groups_validate_and_match_torch(tiny, tmp_path) -> Non
     # The rewrite moved only stream inputs: every attention core (Softmax) is still there.
     softmax = [n for n in load_model(out).graph if n.op_type == "Softmax"]
     assert len(softmax) == 4
+
+
+def test_model_map_reads_a_parallel_graph(tiny, tmp_path) -> None:
+    out = tmp_path / "model.fused.onnx"
+    fuse_file(tiny[0], parse_plan(PLAN), out)
+    model_map = build_model_map(load_model(out))
+    blocks = model_map.blocks
+    # Layer numbers survive both rewrites: blocks 0-3 and the fused FFN group at 4.
+    assert [b.index for b in blocks] == [0, 1, 2, 3, 4]
+    assert [b.parallel for b in blocks] == [(0, 2)] * 3 + [None, None]
+    (group,) = model_map.parallel
+    assert group.size == 3 and group.input is blocks[0].block_input
+    assert all(b.block_input is group.input and b.output is group.residual.output for b in blocks[:3])
+    # Each member's FFN reads its own h = x + a, and the group's sums read every member's branch.
+    assert [b.ffn_input for b in blocks[:3]] == [a.residual.output for a in group.attention]
+    assert [f.output for f in group.ffns] == [b.ffn.output for b in blocks[:3]]
+    assert blocks[3].block_input is group.residual.output
+    table = format_block_table(list(blocks))
+    assert "parallel groups: [0, 2]" in table and table.count("parallel [0, 2]") == 3
+    # A plan for the original does not apply to the rewritten graph, and block-by-block runs refuse it.
+    with pytest.raises(UserError, match=r"parallel group \[0, 2\] already; write the plan for the original"):
+        validate_plan(parse_plan({"groups": [[2, 3]]}), list(blocks))
+    with pytest.raises(UserError, match="run block-by-block analysis on the original model"):
+        BlockRunner(out)
 
 
 def test_decode_graph_generates_like_its_prefill_graph(tiny, tmp_path) -> None:

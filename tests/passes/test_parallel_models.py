@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from passes.graph_inputs import Signature
+from passes.io.model_io import load_model
 from passes.io.sessions import open_session
+from passes.model_map import build_model_map
 from passes.pipeline import fuse_file
 from passes.plan import parse_plan
 from tests.torch_reference import parallel_blocks_model
@@ -46,10 +48,16 @@ def rel(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def check(report, groups) -> None:
+def check(report, groups, out: Path) -> None:
     assert report.ok and [list(g.group) for g in report.groups] == groups
     assert all(g.kind == "parallel" and g.rel_error <= 1e-5 for g in report.groups)
     assert report.logits_rel_error is not None and report.logits_cosine is not None
+    # The model map reads the parallelized graph: every block still there, each group's members marked.
+    model_map = build_model_map(load_model(out))
+    assert len(model_map.blocks) == 30 and len(model_map.parallel) == len(groups)
+    members = {b.index: b.parallel for b in model_map.blocks if b.parallel is not None}
+    assert members == {k: tuple(g) for g in groups for k in range(g[0], g[1] + 1)}
+    assert [p.size for p in model_map.parallel] == [j - i + 1 for i, j in groups]
 
 
 def test_smollm2_two_parallel_groups_equal_torch(tmp_path) -> None:
@@ -60,7 +68,7 @@ def test_smollm2_two_parallel_groups_equal_torch(tmp_path) -> None:
     export_smollm2(source, drop_attention=())
     out = tmp_path / "smollm2.parallel.onnx"
     report = fuse_file(source, parse_plan({"parallel_blocks": SMOLLM2_GROUPS}), out).report
-    check(report, SMOLLM2_GROUPS)
+    check(report, SMOLLM2_GROUPS, out)
     print("\n".join(report.lines()))
     assert rel(ort_logits(out), torch_logits(smollm2.load_torch_model(), SMOLLM2_GROUPS)) < 1e-4
 
@@ -72,6 +80,6 @@ def test_third_party_parallel_groups_equal_torch(third_party_corpus, corpus_hf, 
     out = tmp_path / "model.parallel.onnx"
     plan = parse_plan(json.loads(json.dumps({"groups": [], "parallel_blocks": CORPUS_GROUPS})))
     report = fuse_file(third_party_corpus[name], plan, out).report
-    check(report, CORPUS_GROUPS)
+    check(report, CORPUS_GROUPS, out)
     model = AutoModelForCausalLM.from_pretrained(corpus_hf, dtype=torch.float32).eval()
     assert rel(ort_logits(out), torch_logits(model, CORPUS_GROUPS)) < 1e-4
