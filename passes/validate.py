@@ -33,6 +33,7 @@ from passes.io.model_io import load_model, load_proto, load_typed_proto, weight_
 from passes.io.sessions import open_session
 from passes.metrics import cosine, l2_relative_error
 from passes.model_map import PLAN_METADATA_KEY, find_blocks, vocab_size
+from passes.patterns.nbits import float_activations
 from passes.plan import Plan, parse_plan
 from passes.reference import ffn_weight_bytes, parallel_blocks_sum, parallel_sum
 
@@ -310,10 +311,13 @@ def _validate_parallel_plan(
     A parallel group is compared with x + sum_k (block_k(x) - x), each original block run alone on x
     (BlockRunner), an FFN group with the numpy parallel sum of its original FFNs."""
     notes = check_structure(fused)
-    runner = BlockRunner(original)
+    # Both sides on float activations: int4's int8 activation rounding would blur the check (nbits.py).
+    runner = BlockRunner(original, float_activations=True)
     blocks = runner.blocks
     tokens = default_tokens(blocks) if tokens is None else tokens
     proto = load_typed_proto(fused)
+    if float_activations(proto):
+        notes.append("int4 groups checked with float activations (accuracy_level 0) on both sides")
     spans = [  # (kind, group, its input stream, its output stream)
         ("parallel", g, blocks[g[0]].block_input.name, _sum_name(proto, blocks[g[1]].last_residual))
         for g in plan.parallel

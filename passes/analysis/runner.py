@@ -23,6 +23,7 @@ from passes.graph_inputs import Signature
 from passes.io.model_io import load_model, load_proto, load_typed_proto, weight_bytes
 from passes.io.sessions import open_session
 from passes.model_map import find_blocks, vocab_size
+from passes.patterns import nbits
 from passes.reference import ffn_weight_bytes, parallel_sum
 
 # Above this many bytes of weights a BlockRunner streams: one block's weights in memory at a time.
@@ -49,7 +50,10 @@ class BlockRunner:
         threads: int = 0,
         streaming: bool | None = None,
         large_ffn_bytes: int | None = None,
+        float_activations: bool = False,
     ):
+        """`float_activations`: int4 MatMulNBits compute on float activations (passes.patterns.nbits), for
+        checks of a rewrite's exactness."""
         self.path = Path(model_path)
         model = load_model(self.path)
         self.blocks = find_blocks(model)
@@ -61,6 +65,8 @@ class BlockRunner:
                 "(a parallel-block graph); run block-by-block analysis on the original model"
             )
         self.proto = load_typed_proto(self.path)
+        if float_activations:
+            nbits.float_activations(self.proto)
         self.cuts = cut_blocks(self.blocks, self.proto)
         self.threads = threads
         # Streaming (models larger than RAM; default: above STREAMING_BYTES of weights): at most one block's

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 
 
@@ -62,3 +63,19 @@ class NBits:
             del stored  # no view of the memory map may outlive it
         matrix = (values - zero_points[..., None]) * scales[..., None]
         return matrix.reshape(len(values), -1)[:, : self.k].T
+
+
+def float_activations(proto: onnx.ModelProto) -> int:
+    """Set every MatMulNBits of `proto` to accuracy_level 0 (float activations), in place; returns how many
+    changed. GenAI's int4 uses level 4: activations quantized to int8 per block, so a 1e-7 difference in a
+    MatMul's input (two graph cuts that ONNX Runtime optimizes differently) can flip a rounding step and move
+    the output by ~1e-2. Checks of a rewrite's exactness compare both sides at level 0."""
+    changed = 0
+    for node in proto.graph.node:
+        if node.op_type != "MatMulNBits":
+            continue
+        for attribute in node.attribute:
+            if attribute.name == "accuracy_level" and attribute.i != 0:
+                attribute.i = 0
+                changed += 1
+    return changed

@@ -83,3 +83,16 @@ def test_third_party_parallel_groups_equal_torch(third_party_corpus, corpus_hf, 
     check(report, CORPUS_GROUPS, out)
     model = AutoModelForCausalLM.from_pretrained(corpus_hf, dtype=torch.float32).eval()
     assert rel(ort_logits(out), torch_logits(model, CORPUS_GROUPS)) < 1e-4
+
+
+def test_genai_int4_parallel_groups_validate(third_party_corpus, tmp_path) -> None:
+    """GenAI's int4 (MatMulNBits accuracy_level 4, GatherBlockQuantized): each group equals the original
+    blocks run alone within 1e-5 when both sides compute on float activations (the validation's note), and
+    the written graph keeps the int4 kernels at their level."""
+    out = tmp_path / "model.parallel.onnx"
+    plan = parse_plan({"groups": [], "parallel_blocks": CORPUS_GROUPS})
+    report = fuse_file(third_party_corpus["genai-int4"], plan, out).report
+    check(report, CORPUS_GROUPS, out)
+    assert any("float activations" in note for note in report.notes)
+    nbits = [n for n in load_model(out).graph if n.op_type == "MatMulNBits"]
+    assert {n.attributes["accuracy_level"].as_int() for n in nbits} == {4}
