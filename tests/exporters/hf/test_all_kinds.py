@@ -94,8 +94,26 @@ def test_attention_free_run_fuses_validated(all_kinds, tmp_path, norm) -> None:
     ],
 )
 def test_group_across_an_attention_part_or_linear_is_refused(tool, all_kinds, tmp_path, group, message):
+    _refused(tool, all_kinds, tmp_path, {"groups": [group]}, message)
+
+
+@pytest.mark.parametrize(
+    ("group", "message"),
+    [
+        ([6, 7], "error: parallel group [6, 7]: block 7 (layer model.layers.7) has no softmax attention: its "
+                 "attention part is residual branch"),
+        ([5, 6], "error: parallel group [5, 6]: block 5 (layer model.layers.5) has no FFN part"),
+        ([0, 1], "error: parallel group [0, 1]: block 1 (layer model.layers.1) has no attention part"),
+    ],
+)
+def test_parallel_group_over_a_puzzle_kind_is_refused(tool, all_kinds, tmp_path, group, message) -> None:
+    """A Linear (replace_with_linear) attention, a no-op FFN, a no-op attention: no full block."""
+    _refused(tool, all_kinds, tmp_path, {"groups": [], "parallel_blocks": [group]}, message)
+
+
+def _refused(tool, all_kinds, tmp_path, data: dict, message: str) -> None:
     plan = tmp_path / "plan.json"
-    plan.write_text(json.dumps({"groups": [group]}))
+    plan.write_text(json.dumps(data))
     out = tmp_path / "fused.onnx"
     result = tool("fuse_onnx", all_kinds, plan, "-o", out)
     lines = result.stderr.strip().splitlines()
