@@ -1,6 +1,12 @@
 """The analysis pipeline of tools/analyze.py: calibration windows -> block dependency (passes/analysis) ->
 proposed groups -> norm mode by measured error -> DIR/analysis.json, dependency.png and plan.json.
 
+With `parallel_blocks` (paper section 6), whole-block parallel groups are selected greedily from the same
+matrix (passes/analysis/parallel_groups.py), and a quality table is measured as they are added one by one:
+each variant fused by passes.pipeline.fuse_file and compared with the original on held-out text
+(runtime/evaluate.py), beside its tensor-parallel all-reduces and sequential block steps counted by the
+latency model (runtime/bench/latency_model.py).
+
 It lives in runtime/ because it reads calibration text (runtime/text_sets.py) and, with `heal`, measures
 healed group errors (runtime/heal, torch); the steps themselves are passes/analysis's.
 """
@@ -10,22 +16,42 @@ from __future__ import annotations
 import gc
 import json
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from passes.analysis.dependency import analyze
 from passes.analysis.heatmap import plot_dependency
+from passes.analysis.parallel_groups import (
+    DEFAULT_BLOCK_GROUP,
+    ParallelSelection,
+    full_block_windows,
+    select_parallel_groups,
+)
 from passes.analysis.propose import DEFAULT_THRESHOLD, NormChoice, choose_norm, propose
 from passes.analysis.runner import BlockRunner
+from passes.blocks import Block
 from passes.errors import UserError
 from passes.io.model_io import load_model
 from passes.model_map import find_blocks
-from passes.plan import validate_plan
+from passes.pipeline import fuse_file
+from passes.plan import Plan, validate_plan
+from runtime.bench.latency_model import LayerShape, fuse_blocks, hardware, predict_decode
+from runtime.evaluate import evaluate
 from runtime.heal.calibration import calibration_windows
-from runtime.text_sets import calibration_tokens, windows
+from runtime.text_sets import (
+    TextSet,
+    calibration_tokens,
+    evaluation_sets,
+    random_tokens,
+    tokenizer_for,
+    windows,
+)
 
 if TYPE_CHECKING:
     from runtime.heal.costs import HealedCosts
@@ -51,6 +77,10 @@ class AnalyzeOptions:
     heal: bool = False  # bound each group's healed error instead of its largest dependency
     heal_threshold: float = HEAL_THRESHOLD
     heal_tokens: int = 2048  # calibration tokens for the healed costs, 3/4 fitted and 1/4 held out
+    parallel_blocks: bool = False  # also select whole-block parallel groups (paper section 6)
+    block_group: int = DEFAULT_BLOCK_GROUP  # blocks per parallel group
+    parallel_count: int = 2  # parallel groups the plan takes (the paper's first operating point)
+    eval_tokens: int = 2048  # held-out tokens per text set for the parallel-blocks quality table
 
 
 def _to_stderr(message: str) -> None:
@@ -69,8 +99,17 @@ def analyze_and_plan(
     Results go to `say` (stdout), the progress of long steps to `log` (stderr). Returns the report
     (analysis.json's content)."""
     start = time.perf_counter()
-    out.mkdir(parents=True, exist_ok=True)
+    if options.parallel_blocks:
+        check_parallel_options(options)
     runner = BlockRunner(model)
+    full = [full_block(b) for b in runner.blocks]
+    if options.parallel_blocks and not full_block_windows(full, options.block_group):
+        runner.close()
+        raise UserError(
+            f"{model}: no {options.block_group} consecutive full blocks (softmax attention and a SwiGLU "
+            "FFN) to run side by side; try a smaller --block-group"
+        )
+    out.mkdir(parents=True, exist_ok=True)
     vocab = runner.vocab
     ids, source = calibration_tokens(vocab, options.num_tokens, options.text, options.tokens)
     tokens = windows(ids, options.window)
@@ -83,6 +122,7 @@ def analyze_and_plan(
     )
     reference_logits = runner.logits
     barriers = [b.fusion_barrier for b in runner.blocks]  # attention, or a Linear-replaced branch
+    shapes = layer_shapes(runner.blocks)
     runner.close()
     del runner  # its subgraphs and sessions hold the weights; the trial fusions load them again
     gc.collect()
@@ -105,6 +145,14 @@ def analyze_and_plan(
     else:
         norm = NormChoice(chosen=options.norm)
     plan = proposal.plan(norm.chosen)
+    parallel = None
+    if options.parallel_blocks:
+        selection = select_parallel_groups(full, analysis.dependency, options.block_group, plan.groups)
+        say("parallel block candidates (best first):")
+        say("\n".join(f"  {c.line()}" for c in selection.candidates))
+        parallel = parallel_table(model, out, plan, selection, shapes, tokens, vocab, options, log, progress)
+        say("\n".join(parallel.lines()))
+        plan = replace(plan, parallel=parallel.plan_groups)
     validate_plan(plan, find_blocks(load_model(model)))
     report = {
         "model": str(model),
@@ -115,13 +163,16 @@ def analyze_and_plan(
         "proposal": proposal.to_json(),
         "norm_errors": norm.errors,
         **({"healed_costs": [c.row() for c in healed.costs.values()]} if healed else {}),
+        **({"parallel_blocks": parallel.to_json()} if parallel else {}),
         "plan": json.loads(plan.to_json()),
     }
     (out / "analysis.json").write_text(json.dumps(report, indent=1) + "\n")
     (out / "plan.json").write_text(plan.to_json() + "\n")
     shown = ", ".join(f"[{i}, {j}]" for i, j in groups) or "none"
     title = f"Block dependency: {model.name} ({analysis.tokens} tokens)\nproposed groups: {shown}"
-    plot_dependency(analysis.dependency, barriers, groups, out / "dependency.png", title)
+    if plan.parallel:
+        title += "; parallel blocks: " + ", ".join(f"[{i}, {j}]" for i, j in plan.parallel)
+    plot_dependency(analysis.dependency, barriers, groups, out / "dependency.png", title, plan.parallel)
     say(f"plan: {plan.to_json()}")
     say(f"wrote {out / 'analysis.json'}, {out / 'dependency.png'}, {out / 'plan.json'}")
     say(f"total time {time.perf_counter() - start:.1f} s")
@@ -148,3 +199,170 @@ def healed_costs(
     say(f"healed costs: {where}: {split} windows fitted, {len(data) - split} held out")
     mode = "last" if options.norm == "last" else "fold"
     return HealedCosts(model, data[:split], data[split:], mode, log=log)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Parallel blocks (paper section 6)
+
+
+def check_parallel_options(options: AnalyzeOptions) -> None:
+    """The parallel-blocks settings, checked before anything runs or is written."""
+    if options.block_group < 2:
+        raise UserError(f"--block-group {options.block_group}: a parallel group holds at least 2 blocks")
+    if options.parallel_count < 1:
+        raise UserError(
+            f"--parallel-count {options.parallel_count}: the plan takes at least 1 parallel group"
+        )
+    if options.eval_tokens < 2:
+        raise UserError(f"--eval-tokens {options.eval_tokens}: perplexity needs at least 2 tokens")
+
+
+def full_block(block: Block) -> bool:
+    """What a parallel group's member needs: softmax attention and a SwiGLU FFN (passes.plan)."""
+    return block.attention and block.ffn_kind == "swiglu"
+
+
+def layer_shapes(blocks: Sequence[Block]) -> list[LayerShape]:
+    """The block table as the latency model sees it: an attention part of any kind ends in an all-reduce,
+    and so does an FFN part of any kind (a Linear FFN has no width: 1 marks it present)."""
+    return [
+        LayerShape(b.attention_kind != "none", b.width or int(b.ffn_kind != "none"), b.kv_heads)
+        for b in blocks
+    ]
+
+
+def tp_counts(shapes: Sequence[LayerShape], plan: Plan) -> tuple[int, int]:
+    """All-reduces per token under tensor parallelism and sequential block steps of the model after `plan`,
+    counted as the latency model counts them (one all-reduce per attention part and per FFN part; a fused
+    FFN group is one FFN; a parallel group is one step with one all-reduce for its attention outputs and
+    one for its FFN outputs). Only the counts are read: the dimensions passed only scale the times."""
+    step = predict_decode(
+        fuse_blocks(shapes, plan.groups, plan.parallel), 1, 1, 1, 1, hardware("h100", calibrated=False), tp=1
+    )
+    return step.n_allreduce, step.n_layers
+
+
+def heldout_sets(vocab: int, window: int, max_tokens: int) -> list[TextSet]:
+    """tools/evaluate.py's held-out texts (never the calibration text) with the model's tokenizer; a model
+    whose tokenizer is unknown gets seeded random ids (seed 1; calibration's are seed 0)."""
+    if tokenizer_for(vocab) is not None:
+        return evaluation_sets(vocab, window, max_tokens)
+    ids = windows(random_tokens(vocab, max_tokens, seed=1), window)
+    return [TextSet("random", ids, (f"random token ids (seed 1; no tokenizer for vocab {vocab})",))]
+
+
+@dataclass(frozen=True)
+class ParallelRow:
+    """One row of the section-6 table: the plan's FFN groups plus the first len(parallel) chosen groups."""
+
+    parallel: tuple[tuple[int, int], ...]
+    added_max_dependency: float | None  # the max dependency inside the group this row adds
+    perplexity: float
+    top1_agreement: float  # with the original
+    kl: float  # KL(original || variant), nats per position
+    allreduces: int  # per token under tensor parallelism
+    steps: int  # sequential block steps
+
+    def row(self) -> dict:
+        return {**asdict(self), "parallel": [list(g) for g in self.parallel]}
+
+
+@dataclass(frozen=True)
+class ParallelTable:
+    """The selection, the quality rows as groups are added in greedy order, and how many the plan takes."""
+
+    selection: ParallelSelection
+    rows: tuple[ParallelRow, ...]
+    count: int  # --parallel-count
+    texts: dict[str, list[str]]  # held-out text set -> its files
+    positions: int  # positions compared per row
+    ppl_original: float
+
+    @property
+    def plan_groups(self) -> tuple[tuple[int, int], ...]:
+        return tuple(c.group for c in self.selection.chosen[: self.count])
+
+    def to_json(self) -> dict:
+        return {
+            **self.selection.to_json(),
+            "count": self.count,
+            "plan": [list(g) for g in self.plan_groups],
+            "texts": self.texts,
+            "positions": self.positions,
+            "ppl_original": self.ppl_original,
+            "rows": [r.row() for r in self.rows],
+        }
+
+    def lines(self) -> list[str]:
+        header = (
+            f"{'row':>3}  {'parallel group added':<22}{'max dep':>9}{'ppl':>10}{'top-1':>8}{'KL(o||v)':>10}"
+            f"{'all-reduces':>13}{'steps':>7}"
+        )
+        texts = ", ".join(self.texts)
+        lines = [
+            f"parallel blocks (paper section 6): held-out {texts}, {self.positions} positions; "
+            f"original perplexity {self.ppl_original:.3f}",
+            header,
+            "-" * len(header),
+        ]
+        for k, r in enumerate(self.rows):
+            added = (
+                f"+ [{r.parallel[-1][0]}, {r.parallel[-1][1]}]" if r.parallel else "none (FFN groups only)"
+            )
+            dep = "-" if r.added_max_dependency is None else f"{r.added_max_dependency:.4f}"
+            lines.append(
+                f"{k:>3}  {added:<22}{dep:>9}{r.perplexity:>10.3f}{r.top1_agreement:>8.4f}{r.kl:>10.4f}"
+                f"{r.allreduces:>13}{r.steps:>7}"
+            )
+        taken = ", ".join(f"[{i}, {j}]" for i, j in self.plan_groups)
+        if len(self.plan_groups) < self.count:
+            lines.append(f"plan takes all {len(self.plan_groups)} non-overlapping parallel group(s): {taken}")
+        else:
+            lines.append(f"plan takes the first {self.count} parallel group(s): {taken}")
+        return lines
+
+
+def parallel_table(
+    model: Path,
+    out: Path,
+    plan: Plan,
+    selection: ParallelSelection,
+    shapes: Sequence[LayerShape],
+    tokens: np.ndarray,
+    vocab: int,
+    options: AnalyzeOptions,
+    log: Callable[[str], None] = _to_stderr,
+    progress: bool = True,
+) -> ParallelTable:
+    """Row 0 = `plan` (its FFN groups only), row k = it plus the first k chosen parallel groups, up to
+    --parallel-count + 2 groups where there are that many. Each variant is fused from the original into a
+    temporary folder inside `out` (validated on the calibration `tokens`), compared with the original on
+    held-out text and removed; only two models are open at a time."""
+    sets = heldout_sets(vocab, options.window, options.eval_tokens)
+    chosen = selection.chosen[: options.parallel_count + 2]
+    rows = []
+    for k in range(len(chosen) + 1):
+        variant = replace(plan, parallel=tuple(c.group for c in chosen[:k]))
+        with tempfile.TemporaryDirectory(dir=out, prefix=".parallel-blocks.") as tmp:
+            path = model
+            if variant.groups or variant.parallel:  # else the variant is the original itself
+                path = Path(tmp) / "variant.onnx"
+                log(f"fusing {variant.to_json()} to measure it")
+                fuse_file(model, variant, path, validate_output=True, tokens=tokens)
+            quality = evaluate(model, path, sets, progress=progress)[-1]  # pooled over the sets
+        allreduces, steps = tp_counts(shapes, variant)
+        rows.append(
+            ParallelRow(
+                variant.parallel,
+                chosen[k - 1].max_dependency if k else None,
+                quality.ppl_fused,
+                quality.top1_agreement,
+                quality.kl,
+                allreduces,
+                steps,
+            )
+        )
+    texts = {s.name: list(s.files) for s in sets}
+    return ParallelTable(
+        selection, tuple(rows), options.parallel_count, texts, quality.tokens, quality.ppl_original
+    )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from passes.analysis.parallel_groups import DEFAULT_BLOCK_GROUP
 from passes.analysis.propose import DEFAULT_THRESHOLD
 from passes.cli import add_token_source, parse, tool_parser
 from passes.errors import run_cli
@@ -17,10 +18,16 @@ examples:
   analyze.py model.onnx --out analysis/ --tokens ids.npy    your own token ids (any integer .npy)
   analyze.py model.onnx --out analysis/ --max-group 4 --threshold 0.15
   analyze.py model.onnx --out analysis/ --heal              bound each group's healed error (docs/heal.md)
+  analyze.py model.onnx --out analysis/ --parallel-blocks   also run whole blocks side by side (paper 6):
+                                                            groups of 4 full blocks, a quality table as
+                                                            they are added, the first 2 in plan.json
+  analyze.py model.onnx --out analysis/ --parallel-blocks --block-group 2 --parallel-count 3
   fuse_onnx.py model.onnx analysis/plan.json                then fuse with the proposed plan
 
 calibration text: --text FILE..., else /usr/share/common-licenses/Apache-2.0 when the model's tokenizer
 is known (SmolLM2), else seeded random token ids. tools/evaluate.py uses other texts by default.
+--parallel-blocks judges its table on those held-out texts (evaluate.py's defaults, --eval-tokens each),
+else on other seeded random ids.
 """
 
 
@@ -67,6 +74,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=2048,
         help="with --heal: calibration tokens for the healed costs, 3/4 fitted, 1/4 held out (default 2048)",
     )
+    parallel = parser.add_argument_group("parallel blocks (paper section 6, docs/analysis.md)")
+    parallel.add_argument(
+        "--parallel-blocks",
+        action="store_true",
+        help="also select groups of consecutive full blocks to run side by side (greedy by the smallest max "
+        "dependency inside), measure the quality as they are added, and put the first ones in plan.json",
+    )
+    parallel.add_argument(
+        "--block-group",
+        type=int,
+        default=DEFAULT_BLOCK_GROUP,
+        metavar="N",
+        help=f"blocks per parallel group (default {DEFAULT_BLOCK_GROUP}, the paper's)",
+    )
+    parallel.add_argument(
+        "--parallel-count",
+        type=int,
+        default=2,
+        metavar="K",
+        help="parallel groups plan.json takes (default 2); the table goes on to K + 2 groups",
+    )
+    parallel.add_argument(
+        "--eval-tokens",
+        type=int,
+        default=2048,
+        metavar="N",
+        help="held-out tokens per text set for the table (default 2048; evaluate.py's texts)",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     return parse(parser, argv, "num_tokens", "window", "heal_tokens")
 
@@ -86,6 +121,10 @@ def main(argv: list[str] | None = None) -> int:
         heal=args.heal,
         heal_threshold=args.heal_threshold,
         heal_tokens=args.heal_tokens,
+        parallel_blocks=args.parallel_blocks,
+        block_group=args.block_group,
+        parallel_count=args.parallel_count,
+        eval_tokens=args.eval_tokens,
     )
     analyze_and_plan(args.model, args.out, options, progress=not args.quiet)
     return 0

@@ -1,4 +1,5 @@
-"""The dependency matrix as a heatmap, like the paper's figure (dependency.png of tools/analyze.py)."""
+"""The dependency matrix as a heatmap, like the paper's figure (dependency.png of tools/analyze.py): FFN
+groups boxed with a solid outline, whole-block parallel groups (paper section 6) with a dashed magenta one."""
 
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ def plot_dependency(
     groups: Iterable[tuple[int, int]],
     path: str | Path,
     title: str = "Block dependency",
+    parallel: Iterable[tuple[int, int]] = (),
 ) -> Path:
     """A heatmap of the dependency matrix like the paper's figure: row i = skipped block, column j =
-    block whose contribution is measured; attention-free blocks marked along both axes, groups boxed."""
+    block whose contribution is measured; attention-free blocks marked along both axes, FFN groups boxed
+    (solid), parallel block groups boxed (dashed, labelled "P[i, j]")."""
     # matplotlib here, not at the top: it takes a second to import, and only the figure needs it.
     import matplotlib
 
@@ -51,28 +54,26 @@ def plot_dependency(
         color = attn_color if has_attention else free_color
         ax.add_patch(Rectangle((k - 0.5, -1.6), 1, 0.8, color=color, clip_on=False))
         ax.add_patch(Rectangle((-1.6, k - 0.5), 0.8, 1, color=color, clip_on=False))
-    group_color = "#ff7f0e"
-    for first, last in groups:
+    group_color, parallel_color = "#ff7f0e", "#ff00ff"
+    parallel = list(parallel)
+    # FFN groups labelled right of the box's top; parallel groups inside its bottom-left corner, which lies
+    # in the empty lower triangle (so that labels of adjacent groups of both kinds never collide).
+    boxes = [(g, group_color, "-", "") for g in groups] + [(g, parallel_color, "--", "P") for g in parallel]
+    for (first, last), color, style, prefix in boxes:
         ax.add_patch(
             Rectangle(
                 (first - 0.5, first - 0.5),
                 last - first + 1,
                 last - first + 1,
                 fill=False,
-                edgecolor=group_color,
+                edgecolor=color,
+                linestyle=style,
                 linewidth=2.4,
             )
         )
-        ax.text(
-            last + 0.6,
-            first - 0.2,
-            f"[{first}, {last}]",
-            color=group_color,
-            fontsize=8,
-            fontweight="bold",
-            va="top",
-            ha="left",
-        )
+        x, y, va = (first - 0.35, last + 0.35, "bottom") if prefix else (last + 0.6, first - 0.2, "top")
+        label = f"{prefix}[{first}, {last}]"
+        ax.text(x, y, label, color=color, fontsize=8, fontweight="bold", va=va, ha="left")
     ax.set_xlim(-1.7, n - 0.5)
     ax.set_ylim(n - 0.5, -1.7)
     ax.set_xlabel("block j (contribution measured)")
@@ -83,12 +84,16 @@ def plot_dependency(
     if ticks:
         bar.set_ticks(ticks, labels=[f"{t:g}" for t in ticks])
     bar.set_label("dependency: mean 1 - cos(h_j, h~_j)  (log scale)")
+    legend = [
+        Patch(color=free_color, label="attention-free block"),
+        Patch(color=attn_color, label="block with attention"),
+        Patch(facecolor="none", edgecolor=group_color, linewidth=2, label="proposed group"),
+    ]
+    if parallel:
+        dashed = {"facecolor": "none", "edgecolor": parallel_color, "linestyle": "--", "linewidth": 2}
+        legend.append(Patch(**dashed, label="parallel blocks"))
     ax.legend(
-        handles=[
-            Patch(color=free_color, label="attention-free block"),
-            Patch(color=attn_color, label="block with attention"),
-            Patch(facecolor="none", edgecolor=group_color, linewidth=2, label="proposed group"),
-        ],
+        handles=legend,
         loc="lower left",
         fontsize=8,
         framealpha=0.9,

@@ -8,7 +8,9 @@ import json
 import numpy as np
 
 from exporters.synthetic import SyntheticSpec, build_synthetic
-from runtime.analyze import AnalyzeOptions, analyze_and_plan
+from passes.plan import Plan
+from runtime.analyze import AnalyzeOptions, analyze_and_plan, tp_counts
+from runtime.bench.latency_model import LayerShape
 
 
 def test_analyze_and_plan_writes_what_it_returns(tmp_path):
@@ -28,3 +30,13 @@ def test_analyze_and_plan_writes_what_it_returns(tmp_path):
     assert said[0].startswith(f"calibration: token file {ids}") and said[0].endswith("(4 x 10)")
     assert said[-2] == f"wrote {out / 'analysis.json'}, {out / 'dependency.png'}, {out / 'plan.json'}"
     assert (out / "dependency.png").is_file()
+
+
+def test_tp_counts_follow_the_latency_model():
+    """All-reduces and sequential steps: 2 per full block, 1 per one-part block; an FFN group of n FFNs
+    saves n - 1 all-reduces and steps, a parallel group of n blocks 2(n - 1) all-reduces and n - 1 steps."""
+    shapes = [LayerShape(True, 8), LayerShape(False, 8), LayerShape(False, 8), LayerShape(False, 8)]
+    shapes += [LayerShape(True, 8)] * 4
+    assert tp_counts(shapes, Plan()) == (13, 8)
+    assert tp_counts(shapes, Plan(((1, 3),))) == (11, 6)
+    assert tp_counts(shapes, Plan(((1, 2),), parallel=((4, 7),))) == (6, 4)
