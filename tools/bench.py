@@ -1,13 +1,16 @@
 """Benchmark greedy generation of an original and a fused decode graph, measured alternately.
 
     python tools/bench.py --original model_decode.onnx --fused model_decode.fused.onnx \
-        [--tp N] [--batch 1 4] [--prompt-len 32 128] [--gen-len 32] --out DIR
+        [--parallel model_decode.parallel.onnx] [--tp N] [--batch 1 4] [--prompt-len 32 128] \
+        [--gen-len 32] --out DIR
 
 Writes DIR/bench.json, DIR/bench.md and DIR/bench.png: time to first token, decode tokens/s,
 per-token latency p50/p90 and all-reduces per token (one per attention and per FFN sub-block, from the
-block table). With --tp N > 1 the two graphs are sharded with passes.shard (or given as sharded
-folders) and run rank by rank: --tp-mode gloo (default) puts every rank in its own process with gloo
-all-reduces, threads runs them in one process.
+block table; a parallel group of k blocks needs 2 instead of 2k). --parallel adds a third model: the
+fused graph with parallel groups of blocks too (fuse_onnx.py with a plan that has "parallel_blocks").
+With --tp N > 1 the graphs are sharded with passes.shard (or given as sharded folders) and run rank by
+rank: --tp-mode gloo (default) puts every rank in its own process with gloo all-reduces, threads runs
+them in one process.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--original", required=True, help="decode graph (.onnx) or sharded folder")
     p.add_argument("--fused", required=True, help="fused decode graph (.onnx) or sharded folder")
+    p.add_argument("--parallel", type=Path, help="fused decode graph with parallel blocks too (optional)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (1, 2, 4, 8)")
     p.add_argument("--tp-mode", choices=("gloo", "threads"), default="gloo")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 4])
@@ -58,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     settings.check()
     args.out.mkdir(parents=True, exist_ok=True)
-    data = run_benchmark(settings, Path(args.original), Path(args.fused), args.out)
+    data = run_benchmark(settings, Path(args.original), Path(args.fused), args.out, args.parallel)
     (args.out / "bench.json").write_text(json.dumps(data, indent=1) + "\n")
     (args.out / "bench.md").write_text(markdown(data))
     plot(data, args.out / "bench.png")

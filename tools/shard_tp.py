@@ -13,14 +13,12 @@ r = 0..N-1 and DIR/tp.json (N, the rank files, all-reduces per forward). Run the
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from passes.cli import add_data_file_size, data_file_bytes, tool_parser
 from passes.errors import UserError, run_cli
-from passes.io.model_io import load_proto
-from passes.shard import count_allreduces, shard_file
+from passes.shard import allreduce_line, shard_file
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,15 +44,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _plan_note(path: Path) -> str:
-    for prop in load_proto(path).metadata_props:
-        if prop.key == "ffn_fusion.plan":
-            plan = json.loads(prop.value)
-            removed = sum(j - i for i, j in plan.get("groups", []))
-            return f" (fused: {len(plan['groups'])} group(s), {removed} FFN all-reduce(s) removed)"
-    return ""
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
@@ -62,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         for path in args.models:
             if not path.is_file():
                 raise UserError(f"model {path} does not exist")
-            print(f"{path}: {count_allreduces(path)} all-reduces per forward pass{_plan_note(path)}")
+            print(allreduce_line(path))
         return 0
     if len(args.models) != 1:
         raise UserError("give one model to shard (several only with --count)")
@@ -73,8 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         raise UserError(f"model {model} does not exist")
     external = {"auto": None, "yes": True, "no": False}[args.external_data]
     max_data_file_bytes = data_file_bytes(args)
-    before = count_allreduces(model)
-    print(f"{model}: {before} all-reduces per forward pass{_plan_note(model)}")
+    print(allreduce_line(model))
     report = shard_file(
         model,
         args.tp,

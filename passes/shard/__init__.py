@@ -32,7 +32,7 @@ tp.json).
 
 from __future__ import annotations
 
-from passes.shard.collectives import COLLECTIVE_DOMAIN, COLLECTIVE_OP, count_allreduces
+from passes.shard.collectives import COLLECTIVE_DOMAIN, COLLECTIVE_OP, allreduce_line, count_allreduces
 from passes.shard.files import (
     MANIFEST,
     MANIFEST_FORMAT,
@@ -63,6 +63,7 @@ __all__ = [
     "ShardRank",
     "ShardReport",
     "WeightSlice",
+    "allreduce_line",
     "check_tp",
     "count_allreduces",
     "kv_layout",

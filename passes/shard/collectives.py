@@ -3,11 +3,14 @@
 After each row-parallel MatMul comes exactly one all-reduce: a `DistCollective` node (domain "trt";
 TensorRT's ONNX parser matches the op by name and ignores the domain) with
 collective_operation="all_reduce", reduce_op="sum", root=-1, group_size=0, nb_rank=N. A vocabulary-split
-lm_head gathers its logits with one all_gather.
+lm_head gathers its logits with one all_gather. A parallel group of blocks reduces its members' attention
+outputs in one all-reduce (Concat on the last axis -> all_reduce -> Split back) and the sum of its FFN
+outputs in another.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -15,7 +18,8 @@ import numpy as np
 import onnx_ir as ir
 
 from passes.errors import UserError
-from passes.io.model_io import load_model
+from passes.io.model_io import load_model, load_proto
+from passes.model_map import PLAN_METADATA_KEY
 from passes.shard.graph import WeightRef, find_structure
 from passes.shard.types import walk_type
 
@@ -51,6 +55,43 @@ def insert_collective(graph: ir.Graph, value: ir.Value, operation: str, tp: int)
     node = collective_node([value], reduced, operation, tp, name=f"{value.name}/{operation}")
     graph.insert_after(value.producer(), node)
     return reduced
+
+
+def insert_stacked_allreduce(graph: ir.Graph, values: list[ir.Value], width: int, tp: int, name: str) -> None:
+    """One all-reduce for several values of last dim `width`: Concat(values, axis=-1) -> all_reduce ->
+    Split(axis=-1) back, each value's readers reading its reduced part. The graph needs sorting after."""
+    for value in values:
+        if value.type is None:
+            value.type = walk_type(value)
+    readers = [list(value.uses()) for value in values]  # before the Concat reads them too
+    first = values[0]
+    shape = None
+    if first.shape is not None and first.shape.rank():
+        shape = ir.Shape([*first.shape[:-1], width * len(values)])
+    stacked = ir.Value(name=f"{name}_stacked", type=first.type, shape=shape)
+    concat = ir.Node("", "Concat", values, attributes=[ir.AttrInt64("axis", -1)], outputs=[stacked],
+                     name=f"{name}/stack")
+    reduced = ir.Value(name=f"{name}_all_reduce", type=first.type, shape=shape)
+    collective = collective_node([stacked], reduced, "all_reduce", tp, name=f"{name}/all_reduce")
+    parts = [ir.Value(name=f"{v.name}_all_reduce", type=v.type, shape=v.shape) for v in values]
+    sizes = np.full(len(values), width, dtype=np.int64)
+    if graph.opset_imports.get("", 13) >= 13:  # split sizes are an input from opset 13, an attribute before
+        split_sizes = ir.Value(name=f"{name}_split", shape=ir.Shape([len(values)]),
+                               type=ir.TensorType(ir.DataType.INT64),
+                               const_value=ir.tensor(sizes, name=f"{name}_split"))
+        graph.register_initializer(split_sizes)
+        split = ir.Node("", "Split", [reduced, split_sizes], attributes=[ir.AttrInt64("axis", -1)],
+                        outputs=parts, name=f"{name}/unstack")
+    else:
+        split = ir.Node("", "Split", [reduced], attributes=[ir.AttrInt64("axis", -1),
+                        ir.AttrInt64s("split", sizes.tolist())], outputs=parts, name=f"{name}/unstack")
+    for value, part, uses in zip(values, parts, readers, strict=True):
+        for use in uses:
+            use.node.replace_input_with(use.idx, part)
+        for i, out in enumerate(graph.outputs):
+            if out is value:
+                graph.outputs[i] = part
+    graph.extend([concat, collective, split])
 
 
 def gather_logits(graph: ir.Graph, head: WeightRef, vocab: int, tp: int) -> None:
@@ -106,14 +147,34 @@ def count_allreduces(model: ir.Model | str | Path) -> int:
 
     For a rank graph: its all_reduce DistCollective nodes. For a single-device model: one per residual
     branch (every attention and every FFN ends in a row-parallel projection), so a fused group of k FFNs
-    counts 1 instead of k.
+    counts 1 instead of k, and a parallel group of k blocks 2 instead of 2k.
     """
     if not isinstance(model, ir.Model):
         model = load_model(Path(model))
     found = collectives(model)
     if found:
         return sum(collective_op(n) == "all_reduce" for n in found)
-    return len(find_structure(model).branches)
+    return find_structure(model).allreduces
+
+
+def allreduce_line(path: str | Path) -> str:
+    """'PATH: N all-reduces per forward pass' and what the model's plan (its metadata) saved: k - 1 per fused
+    group of k FFNs, 2k - 2 per parallel group of k blocks."""
+    path = Path(path)
+    line = f"{path}: {count_allreduces(path)} all-reduces per forward pass"
+    recorded = load_proto(path).metadata_props
+    plan = next((json.loads(p.value) for p in recorded if p.key == PLAN_METADATA_KEY), None)
+    if plan is None:
+        return line
+    notes = []
+    if groups := plan.get("groups", []):
+        removed = sum(j - i for i, j in groups)
+        notes.append(f"fused: {len(groups)} group(s), {removed} FFN all-reduce(s) removed")
+    if parallel := plan.get("parallel_blocks", []):
+        removed = sum(2 * (j - i) for i, j in parallel)
+        shown = ", ".join(f"[{i}, {j}]" for i, j in parallel)
+        notes.append(f"parallel blocks {shown}: 2 all-reduces per group, {removed} removed")
+    return line + (f" ({'; '.join(notes)})" if notes else "")
 
 
 def collective_op(node: ir.Node) -> str:

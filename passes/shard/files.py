@@ -6,6 +6,7 @@ import json
 import math
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -44,6 +45,7 @@ class BranchSummary:
     heads_per_rank: int = 0  # padded with zero heads when tp does not divide the heads
     cache_inputs: list[str] = field(default_factory=list)  # decode graphs: past K/V graph inputs
     cache_outputs: list[str] = field(default_factory=list)  # and the present outputs they become
+    group: int | None = None  # the parallel group of blocks the branch belongs to (two all-reduces a group)
 
 
 @dataclass
@@ -59,12 +61,14 @@ class ShardReport:
     external_data: bool = False
 
     def lines(self) -> list[str]:
-        att = sum(b.kind == "attention" for b in self.branches)
-        ffn = len(self.branches) - att
+        alone = [b for b in self.branches if b.group is None]
+        att = sum(b.kind == "attention" for b in alone)
+        ffn = len(alone) - att
         padded = [b for b in self.branches if b.padded_width != b.width and b.kind == "ffn"]
         out = [
             f"tp={self.tp}: {len(self.rank_files)} rank graphs in {self.out_dir}",
-            f"all-reduces per forward: {self.allreduces_per_forward} ({att} attention + {ffn} FFN)"
+            f"all-reduces per forward: {self.allreduces_per_forward} ({att} attention + {ffn} FFN"
+            + (f" + {parallel_note(self.branches)})" if len(alone) < len(self.branches) else ")")
             + (f", all-gathers: {self.allgathers_per_forward}" if self.allgathers_per_forward else ""),
         ]
         if padded:
@@ -96,13 +100,22 @@ class ShardReport:
         return out
 
 
+def parallel_note(branches: list[BranchSummary]) -> str:
+    """'2 x 2 in parallel groups of 3 and 4 blocks, 10 saved': two all-reduces per group instead of two per
+    member block."""
+    sizes = Counter(b.group for b in branches if b.group is not None and b.kind == "attention")
+    shown = " and ".join(str(n) for n in sizes.values())
+    saved = sum(2 * n - 2 for n in sizes.values())
+    return f"{len(sizes)} x 2 in parallel groups of {shown} blocks, {saved} saved"
+
+
 def summarize(model: ir.Model, tp: int) -> list[BranchSummary]:
     reject_rank_graph(model)
     structure = find_structure(model)
     out = []
     for b in structure.branches:
         padded = math.ceil(b.width / tp) * tp if b.kind == "ffn" else 0
-        summary = BranchSummary(b.index, b.kind, b.width, padded, b.heads, b.kv_heads)
+        summary = BranchSummary(b.index, b.kind, b.width, padded, b.heads, b.kv_heads, group=b.group)
         if b.kind == "attention":
             plan = HeadPlan(b.heads, b.kv_heads, tp)
             summary.kv_heads_per_rank = plan.kv_per_rank

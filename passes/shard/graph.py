@@ -9,6 +9,10 @@ caches come from the attention recognizer (passes.patterns.attention). A "linear
 e.g. a Nemotron-NAS replace_with_linear attention or FFN) is row-parallel alone: each rank multiplies its
 share of the replicated input's features by its rows of the weight, and the all-reduce sums the shares.
 Anything else is an FFN (SwiGLU, or any branch of equal-width column layers: FP8 Q/DQ, a fused wide FFN).
+
+A parallel group of blocks (passes/parallel.py, the model map's ParallelSum) is one `ParallelGroup`: its
+members' branches are sharded like any other, but the group needs two all-reduces, not two per member: one
+of its members' stacked attention outputs and one of the sum of its FFN outputs (passes.shard.rewrite).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from passes.errors import UserError
 from passes.graph import NoMatch
 from passes.model_map import (
     LmHead,
+    ParallelSum,
     ResidualBranch,
     Stream,
     find_embedding,
@@ -79,6 +84,7 @@ class Branch:
 
     # ffn
     width: int = 0
+    group: int | None = None  # position in TpStructure.groups when the branch is a parallel group member's
 
     def describe(self) -> str:
         layer = layer_name(self.row.node)
@@ -87,10 +93,37 @@ class Branch:
 
 
 @dataclass
+class ParallelGroup:
+    """A parallel group of blocks: y = x + sum_k a_k + sum_k f_k. Under TP each a_k and f_k is a partial sum
+    over ranks, so the group reduces its attention outputs a_k together (stacked) and the local sum of its
+    f_k once: the all-reduce of a sum is the sum of the all-reduces."""
+
+    number: int
+    attention: list[Branch]  # the members' attention branches, in block order
+    ffns: list[Branch]  # the members' FFN branches, in block order
+    ffn_sum: ir.Value  # f_1 + ... + f_n, read by the group's residual add
+
+    @property
+    def size(self) -> int:
+        return len(self.attention)
+
+    @property
+    def hidden(self) -> int:
+        """The stream width: each attention output's last dim (its o_proj weight's output dim)."""
+        return self.attention[0].row.matrix_shape()[1]
+
+
+@dataclass
 class TpStructure:
     embedding: ir.Node
     branches: list[Branch]
     lm_head: WeightRef | None
+    groups: list[ParallelGroup] = field(default_factory=list)
+
+    @property
+    def allreduces(self) -> int:
+        """All-reduces per forward pass: one per branch outside parallel groups, two per group."""
+        return sum(b.group is None for b in self.branches) + 2 * len(self.groups)
 
     @property
     def attention(self) -> list[Branch]:
@@ -119,9 +152,41 @@ def find_structure(model: ir.Model, world: World | None = None) -> TpStructure:
             "no residual branches found after the token embedding (expected Add(stream, MatMul(...)))"
         )
     branches = [_branch(b, order) for b in stream.branches]
+    groups = [_group(k, group, branches) for k, group in enumerate(stream.parallel)]
     head = find_lm_head(model, stream)
     _refuse_linears_outside(graph, stream, head)
-    return TpStructure(embedding.node, branches, weight_ref(head.node) if head is not None else None)
+    return TpStructure(embedding.node, branches, weight_ref(head.node) if head is not None else None, groups)
+
+
+def _group(number: int, source: ParallelSum, branches: list[Branch]) -> ParallelGroup:
+    """The members' branches of a parallel group, checked for the two all-reduces: every f_k is its down
+    projection's output (a bias after it would be summed over ranks) read only by the group's sum."""
+    attention = [branches[b.index] for b in source.attention]
+    ffns = [branches[b.index] for b in source.ffns]
+    group = ParallelGroup(number, attention, ffns, source.ffn_sum)
+    sums = _sum_nodes(source.ffn_sum)
+    for branch, member in zip(ffns, source.ffns, strict=True):
+        if branch.row.node.outputs[0] is not member.output:
+            raise UserError(
+                f"{branch.describe()}: a parallel group member's FFN adds something after its last "
+                "projection (a bias?); its all-reduce cannot be shared with the group; shard the model "
+                "before parallelizing blocks, or export without the FFN bias"
+            )
+        if any(use.node not in sums for use in member.output.uses()):
+            raise UserError(f"{branch.describe()}: its output is read outside the parallel group's FFN sum")
+    for branch in (*attention, *ffns):
+        branch.group = number
+    if len({b.row.matrix_shape()[1] for b in attention}) != 1:
+        raise UserError(f"parallel group {number}: its attention outputs differ in width")
+    return group
+
+
+def _sum_nodes(value: ir.Value) -> set[ir.Node]:
+    """The Add nodes of a sum of branch outputs (passes/parallel.py writes it as a chain of Adds)."""
+    node = value.producer()
+    if node is None or node.op_type != "Add":
+        return set()
+    return {node}.union(*(_sum_nodes(v) for v in node.inputs if v is not None))
 
 
 def _refuse_linears_outside(graph: ir.Graph, stream: Stream, head: LmHead | None) -> None:

@@ -29,9 +29,11 @@ class ShardRank(ir.passes.InPlacePass):
     from: else a PassInputError (a UserError). The residual branches are recognized once, by the rewrite
     (passes.shard.graph; a UserError says what it does not understand): recognizing them here too would
     double the cost of every rank (measured 2.2 s of 2.7 s on a 5210-node Optimum SmolLM2 graph).
-    ensures: the tp metadata names this rank; tp > 1: one all_reduce per residual branch, each reading the
-    output of its own projection (MatMul, Gemm or MatMulNBits), one all_gather when the lm_head is split by
-    vocabulary, every collective for `tp` ranks; tp = 1: no collective. `info` holds the last RankInfo.
+    ensures: the tp metadata names this rank; tp > 1: one all_reduce per residual branch outside parallel
+    groups and two per parallel group of blocks, each reading the output of a projection (MatMul, Gemm or
+    MatMulNBits), a group's Concat of its attention projections, or a group's sum of its FFN projections;
+    one all_gather when the lm_head is split by vocabulary, every collective for `tp` ranks; tp = 1: no
+    collective. `info` holds the last RankInfo.
     """
 
     def __init__(self, tp: int, rank: int, lm_head: str = "replicated") -> None:
@@ -66,10 +68,10 @@ class ShardRank(ir.passes.InPlacePass):
                 raise AssertionError(f"tp=1 rank graph has {len(found)} collective(s)")
             return
         reduced = [node.inputs[0].producer() for node in found if collective_op(node) == "all_reduce"]
-        branches = self.info.allreduces if self.info is not None else -1
-        if len(reduced) != branches or len({id(node) for node in reduced}) != len(reduced):
-            raise AssertionError(f"{len(reduced)} all-reduces for {branches} residual branches")
-        if odd := [node for node in reduced if node is None or node.op_type not in ROW_OPS]:
+        expected = self.info.allreduces if self.info is not None else -1
+        if len(reduced) != expected or len({id(node) for node in reduced}) != len(reduced):
+            raise AssertionError(f"{len(reduced)} all-reduces, expected {expected} (branches and groups)")
+        if odd := [node for node in reduced if not _reduces_projections(node)]:
             raise AssertionError(f"an all-reduce reads {odd[0].op_type if odd[0] else 'a graph input'}")
         gathers = sum(collective_op(node) == "all_gather" for node in found)
         if gathers != int(self.lm_head == "vocab"):
@@ -77,3 +79,17 @@ class ShardRank(ir.passes.InPlacePass):
         ranks = {node.attributes["nb_rank"].as_int() for node in found}
         if ranks != {self.tp}:
             raise AssertionError(f"collectives for {sorted(ranks)} ranks in a tp={self.tp} graph")
+
+
+def _reduces_projections(node: ir.Node | None) -> bool:
+    """A projection, or a parallel group's Concat (stacked attention outputs) or Add (sum of FFN outputs)
+    of two or more projections."""
+    if node is None:
+        return False
+    if node.op_type in ROW_OPS:
+        return True
+    if node.op_type == "Concat":
+        return len(node.inputs) > 1 and all(_reduces_projections(v.producer()) for v in node.inputs if v)
+    if node.op_type == "Add":
+        return all(v is not None and _reduces_projections(v.producer()) for v in node.inputs)
+    return False

@@ -19,7 +19,13 @@ import onnx_ir as ir
 from passes.errors import UserError
 from passes.patterns.linear import constant_tensor
 from passes.shapes import Dim, Info, World, dims_to_ir
-from passes.shard.collectives import COLLECTIVE_DOMAIN, gather_logits, insert_collective, reject_rank_graph
+from passes.shard.collectives import (
+    COLLECTIVE_DOMAIN,
+    gather_logits,
+    insert_collective,
+    insert_stacked_allreduce,
+    reject_rank_graph,
+)
 from passes.shard.dims import HeadMap, RankWorld, ShapeRewrite
 from passes.shard.graph import Branch, TpStructure, find_structure
 from passes.shard.plan import PAD, HeadPlan, WeightSlice, check_tp, plan_slices, sliced_shape
@@ -72,7 +78,15 @@ def shard_in_memory(model: ir.Model, tp: int, rank: int, lm_head: str = "replica
         node.attributes[name] = ir.AttrInt64(name, value)
     _update_shapes(graph, rank_world)
     for branch in structure.branches:
-        insert_collective(graph, branch.row.node.outputs[0], "all_reduce", tp)
+        if branch.group is None:
+            insert_collective(graph, branch.row.node.outputs[0], "all_reduce", tp)
+    for group in structure.groups:  # two all-reduces per parallel group of blocks
+        outputs = [b.row.node.outputs[0] for b in group.attention]
+        name = f"parallel_group_{group.number}.attention"
+        insert_stacked_allreduce(graph, outputs, group.hidden, tp, name)
+        insert_collective(graph, group.ffn_sum, "all_reduce", tp)
+    if structure.groups:
+        graph.sort()  # the stacked all-reduce comes after every member's attention, before their FFNs
     gathers = 0
     if lm_head == "vocab":
         assert structure.lm_head is not None
@@ -80,7 +94,7 @@ def shard_in_memory(model: ir.Model, tp: int, rank: int, lm_head: str = "replica
         gathers = 1
     model.opset_imports.setdefault(COLLECTIVE_DOMAIN, 1)
     model.metadata_props[METADATA_KEY] = json.dumps({"tp": tp, "rank": rank, "lm_head": lm_head})
-    return RankInfo(rank, len(structure.branches), gathers, len(slices), len(rank_world.rewrites))
+    return RankInfo(rank, structure.allreduces, gathers, len(slices), len(rank_world.rewrites))
 
 
 def _rank_world(

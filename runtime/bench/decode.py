@@ -1,9 +1,11 @@
 """The original-vs-fused generation benchmark (tools/bench.py): models alternate within every repetition.
 
-`run_benchmark(settings, original, fused, out)` shards the graphs when TP > 1, times greedy generation of
-both on every (batch, prompt length) case (ABBA order, so machine noise hits both alike), and returns a
-JSON-ready report: time to first token, decode tokens/s, per-token p50/p90, all-reduces per token (from
-the block table) and the fused/original ratios. runtime.bench.report renders it as Markdown and PNG.
+`run_benchmark(settings, original, fused, out, parallel=None)` shards the graphs when TP > 1, times greedy
+generation of each on every (batch, prompt length) case (ABBA order, so machine noise hits all alike), and
+returns a JSON-ready report: time to first token, decode tokens/s, per-token p50/p90, all-reduces per token
+(from the block table) and each model's ratios to the original. The optional third model ("parallel") is
+the FFN-fused graph with parallel groups of blocks too (paper section 6: two all-reduces per group instead
+of two per block). runtime.bench.report renders it as Markdown and PNG.
 With TP > 1 the ranks run as threads in one process, or (`tp_mode="gloo"`) each in its own process with
 gloo all-reduces (torch.multiprocessing).
 """
@@ -120,7 +122,8 @@ def model_info(target: str | Path) -> dict:
     """Block table facts of a decode graph (or of rank 0's graph of a TP folder) for the benchmark.
 
     allreduces_per_token: one per attention sub-block (o_proj) and one per FFN sub-block (down_proj), the
-    all-reduces a tensor-parallel forward needs; fusing a group of k FFNs leaves 1 instead of k.
+    all-reduces a tensor-parallel forward needs; fusing a group of k FFNs leaves 1 instead of k, and a
+    parallel group of k blocks needs 2 instead of 2k.
     """
 
     path = Path(target)
@@ -133,6 +136,7 @@ def model_info(target: str | Path) -> dict:
         path = source if source.is_file() else files[0]
     model = load_model(path)
     blocks = find_blocks(model)
+    parallel = sorted({b.parallel for b in blocks if b.parallel is not None})
     logits = next(v for v in model.graph.outputs if v.name == "logits") if model.graph.outputs else None
     vocab = logits.shape[-1] if logits is not None and logits.shape is not None else None
     # KV heads and head dim from passes/graph_inputs.py (GenAI declares the head dim symbolic)
@@ -142,7 +146,8 @@ def model_info(target: str | Path) -> dict:
         blocks=len(blocks),
         attention_blocks=sum(b.attention for b in blocks),
         ffn_blocks=len(blocks),
-        allreduces_per_token=sum(1 + b.attention for b in blocks),
+        allreduces_per_token=sum(1 + b.attention for b in blocks) - sum(2 * (j - i) for i, j in parallel),
+        parallel_groups=[list(g) for g in parallel],
         cache_layers=len(cache) // 2,
         kv_cache_bytes_per_token=kv_bytes,
         vocab=int(vocab) if isinstance(vocab, int) else None,
@@ -206,7 +211,7 @@ def bench_tp_gloo(
 
 
 def prepare(settings: BenchSettings, targets: dict[str, Path], out: Path) -> dict[str, Path]:
-    """The two targets; with TP > 1, .onnx files are sharded into out/shards/<name>_tp<N>."""
+    """The targets; with TP > 1, .onnx files are sharded into out/shards/<name>_tp<N>."""
     for name, path in targets.items():
         if not path.exists():
             raise UserError(f"--{name} {path} does not exist")
@@ -251,22 +256,27 @@ def machine() -> dict:
 
 
 def speedups(results: list[BenchResult]) -> list[dict]:
+    """Each model's ratios to the original on every case (> 1: faster), one row per model and case."""
     by_case: dict[tuple[int, int], dict[str, BenchResult]] = {}
     for r in results:
         by_case.setdefault((r.batch, r.prompt_len), {})[r.model] = r
     rows = []
-    for (batch, prompt), pair in by_case.items():
-        a, b = pair["original"], pair["fused"]
-        rows.append(
-            {
-                "batch": batch,
-                "prompt_len": prompt,
-                "decode_tokens_per_s": b.decode_tokens_per_s / a.decode_tokens_per_s,
-                "ttft": a.ttft_ms / b.ttft_ms,
-                "token_latency_p50": a.token_latency_ms_p50 / b.token_latency_ms_p50,
-                "greedy_token_agreement": b.token_agreement,
-            }
-        )
+    for (batch, prompt), models in by_case.items():
+        a = models["original"]
+        for name, b in models.items():
+            if name == "original":
+                continue
+            rows.append(
+                {
+                    "model": name,
+                    "batch": batch,
+                    "prompt_len": prompt,
+                    "decode_tokens_per_s": b.decode_tokens_per_s / a.decode_tokens_per_s,
+                    "ttft": a.ttft_ms / b.ttft_ms,
+                    "token_latency_p50": a.token_latency_ms_p50 / b.token_latency_ms_p50,
+                    "greedy_token_agreement": b.token_agreement,
+                }
+            )
     return rows
 
 
@@ -314,10 +324,16 @@ class BenchSettings:
         return [BenchCase(b, p, self.gen_len) for b in self.batch for p in self.prompt_len]
 
 
-def run_benchmark(settings: BenchSettings, original: Path, fused: Path, out: Path) -> dict:
-    """Benchmark both graphs (sharded into `out`/shards when TP > 1) and return the report."""
+def run_benchmark(
+    settings: BenchSettings, original: Path, fused: Path, out: Path, parallel: Path | None = None
+) -> dict:
+    """Benchmark the graphs (sharded into `out`/shards when TP > 1) and return the report; `parallel`, when
+    given, is a third model: the fused graph with parallel groups of blocks too."""
     settings.check()
-    targets = prepare(settings, {"original": Path(original), "fused": Path(fused)}, out)
+    targets = {"original": Path(original), "fused": Path(fused)}
+    if parallel is not None:
+        targets["parallel"] = Path(parallel)
+    targets = prepare(settings, targets, out)
     infos = {name: model_info(path) for name, path in targets.items()}
     vocab = infos["original"]["vocab"]
     if not vocab:

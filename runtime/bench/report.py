@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-MODELS = ("original", "fused")
+COLORS = {"original": "#7f8c8d", "fused": "#2e86de", "parallel": "#e67e22"}
 
 
 def machine_line(m: dict) -> str:
@@ -46,12 +46,13 @@ def markdown(data: dict) -> str:
         )
     lines += [
         "",
-        "| batch | prompt | decode speedup | TTFT speedup | p50 latency speedup | greedy agreement |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "| batch | prompt | model | decode speedup | TTFT speedup | p50 latency speedup | greedy agreement |",
+        "|---:|---:|---|---:|---:|---:|---:|",
     ]
     for s in data["speedup"]:
         lines.append(
-            f"| {s['batch']} | {s['prompt_len']} | {s['decode_tokens_per_s']:.3f}x | {s['ttft']:.3f}x "
+            f"| {s['batch']} | {s['prompt_len']} | {s.get('model', 'fused')} "
+            f"| {s['decode_tokens_per_s']:.3f}x | {s['ttft']:.3f}x "
             f"| {s['token_latency_p50']:.3f}x | {s['greedy_token_agreement']:.0%} |"
         )
     return "\n".join(lines) + "\n"
@@ -69,8 +70,8 @@ def plot(data: dict, path: Path) -> None:
     labels = [f"batch {b}\nprompt {p}" for b, p in cases]
     get = {(r["model"], r["batch"], r["prompt_len"]): r for r in results}
     x = np.arange(len(cases))
-    width = 0.38
-    colors = {"original": "#7f8c8d", "fused": "#2e86de"}
+    models = list(data["models"])
+    width = 0.76 / len(models)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.8))
     panels = [
         ("decode_tokens_per_s", "decode tokens/s (higher is better)", None),
@@ -78,16 +79,16 @@ def plot(data: dict, path: Path) -> None:
         ("ttft_ms", "time to first token ms", None),
     ]
     for ax, (key, title, upper) in zip(axes, panels, strict=True):
-        for k, name in enumerate(MODELS):
+        for k, name in enumerate(models):
             values = [get[(name, b, p)][key] for b, p in cases]
             tops = [get[(name, b, p)][upper] for b, p in cases] if upper else values
-            offset = (k - 0.5) * width
+            offset = (k - (len(models) - 1) / 2) * width
             info = data["models"][name]
             ax.bar(
                 x + offset,
                 values,
                 width,
-                color=colors[name],
+                color=COLORS.get(name, "#8e44ad"),
                 label=f"{name}: {info['blocks']} blocks, {info['allreduces_per_token']} all-reduces/token",
             )
             if upper:
@@ -115,10 +116,10 @@ def plot(data: dict, path: Path) -> None:
         ax.grid(axis="y", alpha=0.3)
         ax.set_ylim(0, ax.get_ylim()[1] * 1.12)
     handles, names = axes[0].get_legend_handles_labels()
-    fig.legend(handles, names, loc="lower center", ncol=2, fontsize=9, frameon=False)
+    fig.legend(handles, names, loc="lower center", ncol=len(models), fontsize=9, frameon=False)
     m = data["machine"]
     fig.suptitle(
-        f"Greedy generation, original vs fused - TP {data['tp']}, gen {data['gen_len']} tokens, "
+        f"Greedy generation, {' vs '.join(models)} - TP {data['tp']}, gen {data['gen_len']} tokens, "
         f"{m['cores']}-core {m['cpu']}, {data['date']}",
         fontsize=11,
     )

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from tests import decode_fixtures as fx
+from tests.passes.shard.test_parallel_groups import parallel_models
 
 RESULT_KEYS = {
     "model",
@@ -66,7 +67,8 @@ def test_bench_writes_json_markdown_and_png(models, tool, tmp_path):
     assert all(r["token_agreement"] == 1.0 for r in results if r["model"] == "original")
     assert len(data["speedup"]) == 4
     markdown = (out / "bench.md").read_text()
-    assert "| batch | prompt | gen | model | TTFT ms |" in markdown and markdown.count("| fused |") == 1 + 4
+    assert "| batch | prompt | gen | model | TTFT ms |" in markdown
+    assert markdown.count("| fused |") == 1 + 4 + 4  # the model table, the results, the speedups
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "decode tok/s" in result.stdout
 
@@ -82,6 +84,25 @@ def test_bench_tp2_gloo_counts_collectives(models, tool, tmp_path):
     assert data["models"]["original"]["collectives_per_forward"] == 9
     assert data["models"]["fused"]["collectives_per_forward"] == 5
     assert (out / "shards" / "fused_tp2" / "tp.json").is_file()
+
+
+def test_bench_parallel_blocks_side_by_side(tool, tmp_path, tmp_path_factory):
+    """--parallel: original, FFN-fused and FFN-fused + one parallel group of 3 blocks in one TP 2 run (gloo):
+    10, 9 and 5 all-reduces per token, each counted in its rank graphs too, ratios to the original."""
+    paths = parallel_models(tmp_path_factory.getbasetemp())
+    out = tmp_path / "bench"
+    run_bench(tool, paths["decode"], paths["decode_fused"], out, parallel=paths["decode_plan"], tp=2, batch=1,
+              prompt_len=4, gen_len=3, reps=1, warmup=0)
+    data = json.loads((out / "bench.json").read_text())
+    models = data["models"]
+    assert list(models) == ["original", "fused", "parallel"]
+    counts = {name: (m["allreduces_per_token"], m["collectives_per_forward"]) for name, m in models.items()}
+    assert counts == {"original": (10, 10), "fused": (9, 9), "parallel": (5, 5)}
+    assert models["parallel"]["parallel_groups"] == [[0, 2]] and models["fused"]["parallel_groups"] == []
+    assert [(s["model"], s["batch"]) for s in data["speedup"]] == [("fused", 1), ("parallel", 1)]
+    assert all(s["decode_tokens_per_s"] > 0 for s in data["speedup"])
+    markdown = (out / "bench.md").read_text()
+    assert markdown.count("| parallel |") == 3 and "| 1 | 4 | parallel |" in markdown  # models, runs, ratios
 
 
 def test_bench_bad_input_is_one_line_error(models, tool, tmp_path):
