@@ -29,6 +29,7 @@ from passes.analysis.dependency import analyze
 from passes.analysis.heatmap import plot_dependency
 from passes.analysis.parallel_groups import (
     DEFAULT_BLOCK_GROUP,
+    ParallelCandidate,
     ParallelSelection,
     full_block_windows,
     select_parallel_groups,
@@ -42,7 +43,7 @@ from passes.model_map import find_blocks
 from passes.pipeline import fuse_file
 from passes.plan import Plan, validate_plan
 from runtime.bench.latency_model import LayerShape, fuse_blocks, hardware, predict_decode
-from runtime.evaluate import evaluate
+from runtime.evaluate import QualityResult, evaluate
 from runtime.heal.calibration import calibration_windows
 from runtime.text_sets import (
     TextSet,
@@ -81,6 +82,7 @@ class AnalyzeOptions:
     block_group: int = DEFAULT_BLOCK_GROUP  # blocks per parallel group
     parallel_count: int = 2  # parallel groups the plan takes (the paper's first operating point)
     eval_tokens: int = 2048  # held-out tokens per text set for the parallel-blocks quality table
+    parallel_max_kl: float = 0.5  # a parallel group may raise the held-out KL by at most this (nats)
 
 
 def _to_stderr(message: str) -> None:
@@ -213,6 +215,8 @@ def check_parallel_options(options: AnalyzeOptions) -> None:
         raise UserError(
             f"--parallel-count {options.parallel_count}: the plan takes at least 1 parallel group"
         )
+    if not options.parallel_max_kl >= 0:
+        raise UserError(f"--parallel-max-kl {options.parallel_max_kl}: a KL bound is 0 or more nats")
     if options.eval_tokens < 2:
         raise UserError(f"--eval-tokens {options.eval_tokens}: perplexity needs at least 2 tokens")
 
@@ -251,9 +255,14 @@ def heldout_sets(vocab: int, window: int, max_tokens: int) -> list[TextSet]:
     return [TextSet("random", ids, (f"random token ids (seed 1; no tokenizer for vocab {vocab})",))]
 
 
+# Candidates refused by the KL bound before the table stops trying (each one is a fused and measured model).
+MAX_REFUSED = 4
+
+
 @dataclass(frozen=True)
 class ParallelRow:
-    """One row of the section-6 table: the plan's FFN groups plus the first len(parallel) chosen groups."""
+    """One row of the section-6 table: the plan's FFN groups plus the groups accepted so far plus, in the
+    last place, the candidate this row tries (`accepted`: whether it stays)."""
 
     parallel: tuple[tuple[int, int], ...]
     added_max_dependency: float | None  # the max dependency inside the group this row adds
@@ -262,6 +271,7 @@ class ParallelRow:
     kl: float  # KL(original || variant), nats per position
     allreduces: int  # per token under tensor parallelism
     steps: int  # sequential block steps
+    accepted: bool = True  # False: the group raised the KL by more than --parallel-max-kl and is dropped
 
     def row(self) -> dict:
         return {**asdict(self), "parallel": [list(g) for g in self.parallel]}
@@ -278,13 +288,22 @@ class ParallelTable:
     positions: int  # positions compared per row
     ppl_original: float
 
+    max_kl: float  # --parallel-max-kl
+
+    @property
+    def accepted(self) -> tuple[tuple[int, int], ...]:
+        """The groups the KL bound kept, in the order they were added."""
+        return tuple(r.parallel[-1] for r in self.rows[1:] if r.accepted)
+
     @property
     def plan_groups(self) -> tuple[tuple[int, int], ...]:
-        return tuple(c.group for c in self.selection.chosen[: self.count])
+        return self.accepted[: self.count]
 
     def to_json(self) -> dict:
         return {
             **self.selection.to_json(),
+            "max_kl": self.max_kl,
+            "accepted": [list(g) for g in self.accepted],
             "count": self.count,
             "plan": [list(g) for g in self.plan_groups],
             "texts": self.texts,
@@ -310,15 +329,16 @@ class ParallelTable:
                 f"+ [{r.parallel[-1][0]}, {r.parallel[-1][1]}]" if r.parallel else "none (FFN groups only)"
             )
             dep = "-" if r.added_max_dependency is None else f"{r.added_max_dependency:.4f}"
+            refused = "" if r.accepted else f"  refused: KL rises > {self.max_kl:g}"
             lines.append(
                 f"{k:>3}  {added:<22}{dep:>9}{r.perplexity:>10.3f}{r.top1_agreement:>8.4f}{r.kl:>10.4f}"
-                f"{r.allreduces:>13}{r.steps:>7}"
+                f"{r.allreduces:>13}{r.steps:>7}{refused}"
             )
-        taken = ", ".join(f"[{i}, {j}]" for i, j in self.plan_groups)
+        taken = ", ".join(f"[{i}, {j}]" for i, j in self.plan_groups) or "none"
         if len(self.plan_groups) < self.count:
-            lines.append(f"plan takes all {len(self.plan_groups)} non-overlapping parallel group(s): {taken}")
+            lines.append(f"plan takes all {len(self.plan_groups)} accepted parallel group(s): {taken}")
         else:
-            lines.append(f"plan takes the first {self.count} parallel group(s): {taken}")
+            lines.append(f"plan takes the first {self.count} accepted parallel group(s): {taken}")
         return lines
 
 
@@ -334,15 +354,16 @@ def parallel_table(
     log: Callable[[str], None] = _to_stderr,
     progress: bool = True,
 ) -> ParallelTable:
-    """Row 0 = `plan` (its FFN groups only), row k = it plus the first k chosen parallel groups, up to
-    --parallel-count + 2 groups where there are that many. Each variant is fused from the original into a
-    temporary folder inside `out` (validated on the calibration `tokens`), compared with the original on
-    held-out text and removed; only two models are open at a time."""
+    """Row 0 = `plan` (its FFN groups only). Then the candidates in the paper's order (best first), each not
+    overlapping the groups accepted so far, are added one at a time and measured: a group that raises the
+    held-out KL by more than --parallel-max-kl is refused (the row stays in the table) and its blocks stay
+    free for the next candidates. The walk stops at --parallel-count + 2 accepted groups or MAX_REFUSED
+    refusals. Each variant is fused from the original into a temporary folder inside `out` (validated on
+    the calibration `tokens`), compared with the original on held-out text and removed; only two models
+    are open at a time."""
     sets = heldout_sets(vocab, options.window, options.eval_tokens)
-    chosen = selection.chosen[: options.parallel_count + 2]
-    rows = []
-    for k in range(len(chosen) + 1):
-        variant = replace(plan, parallel=tuple(c.group for c in chosen[:k]))
+
+    def measure(variant: Plan, added: ParallelCandidate | None) -> tuple[ParallelRow, QualityResult]:
         with tempfile.TemporaryDirectory(dir=out, prefix=".parallel-blocks.") as tmp:
             path = model
             if variant.groups or variant.parallel:  # else the variant is the original itself
@@ -351,18 +372,29 @@ def parallel_table(
                 fuse_file(model, variant, path, validate_output=True, tokens=tokens)
             quality = evaluate(model, path, sets, progress=progress)[-1]  # pooled over the sets
         allreduces, steps = tp_counts(shapes, variant)
-        rows.append(
-            ParallelRow(
-                variant.parallel,
-                chosen[k - 1].max_dependency if k else None,
-                quality.ppl_fused,
-                quality.top1_agreement,
-                quality.kl,
-                allreduces,
-                steps,
-            )
-        )
+        dependency = added.max_dependency if added is not None else None
+        row = ParallelRow(variant.parallel, dependency, quality.ppl_fused, quality.top1_agreement, quality.kl,
+                          allreduces, steps)
+        return row, quality
+
+    first, quality = measure(plan, None)
+    rows, accepted, refused = [first], [], 0
+    for candidate in selection.candidates:
+        if len(accepted) >= options.parallel_count + 2 or refused >= MAX_REFUSED:
+            break
+        i, j = candidate.group
+        if any(i <= last and first_block <= j for first_block, last in accepted):
+            continue
+        row, quality = measure(replace(plan, parallel=(*accepted, candidate.group)), candidate)
+        kept = next(r for r in reversed(rows) if r.accepted)  # row 0 counts as accepted
+        ok = row.kl - kept.kl <= options.parallel_max_kl
+        rows.append(replace(row, accepted=ok))
+        if ok:
+            accepted.append(candidate.group)
+        else:
+            refused += 1
     texts = {s.name: list(s.files) for s in sets}
     return ParallelTable(
-        selection, tuple(rows), options.parallel_count, texts, quality.tokens, quality.ppl_original
+        selection, tuple(rows), options.parallel_count, texts, quality.tokens, quality.ppl_original,
+        options.parallel_max_kl,
     )

@@ -96,6 +96,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="parallel groups plan.json takes (default 2); the table goes on to K + 2 groups",
     )
     parallel.add_argument(
+        "--parallel-max-kl",
+        type=float,
+        default=0.5,
+        metavar="NATS",
+        help="refuse a group that raises the held-out KL by more than this (default 0.5; SmolLM2's last "
+        "blocks: 0.84 and 7.0) and try the next candidate",
+    )
+    parallel.add_argument(
         "--eval-tokens",
         type=int,
         default=2048,
@@ -124,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         parallel_blocks=args.parallel_blocks,
         block_group=args.block_group,
         parallel_count=args.parallel_count,
+        parallel_max_kl=args.parallel_max_kl,
         eval_tokens=args.eval_tokens,
     )
     analyze_and_plan(args.model, args.out, options, progress=not args.quiet)

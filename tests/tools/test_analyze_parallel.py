@@ -37,7 +37,9 @@ def greedy(candidates: list[dict]) -> list[list[int]]:
 
 def test_parallel_blocks_on_an_unpruned_model(tool, unpruned, tmp_path) -> None:
     out = tmp_path / "analysis"
-    run = tool("analyze", unpruned, "--out", out, "--parallel-blocks", "--parallel-count", "1", *FAST)
+    # Any KL allowed: random weights; the paper's greedy choice is what this test checks.
+    run = tool("analyze", unpruned, "--out", out, "--parallel-blocks", "--parallel-count", "1",
+               "--parallel-max-kl", "1000", *FAST)
     assert run.returncode == 0, run.stderr
     section = json.loads((out / "analysis.json").read_text())["parallel_blocks"]
     candidates, rows = section["candidates"], section["rows"]
@@ -71,7 +73,7 @@ def test_parallel_blocks_on_an_optimum_export(tool, third_party_corpus, tmp_path
     FFN groups proposed in 13-22 stay in every row, and the parallel groups of 2 lie outside them."""
     out = tmp_path / "analysis"
     args = ["--block-group", "2", "--parallel-count", "1", "--norm", "last", "--num-tokens", "16"]
-    args += ["--window", "16", "--eval-tokens", "32", "--quiet"]
+    args += ["--window", "16", "--eval-tokens", "32", "--parallel-max-kl", "1000", "--quiet"]
     run = tool("analyze", third_party_corpus["optimum"], "--out", out, "--parallel-blocks", *args)
     assert run.returncode == 0, run.stderr
     report = json.loads((out / "analysis.json").read_text())
@@ -92,12 +94,31 @@ def test_parallel_blocks_on_an_optimum_export(tool, third_party_corpus, tmp_path
     assert fused.returncode == 0, fused.stderr
 
 
+def test_groups_raising_the_kl_too_much_are_refused(tool, unpruned, tmp_path) -> None:
+    """--parallel-max-kl 0 refuses every group (each changes the model): MAX_REFUSED candidates are tried in
+    the paper's order, overlapping ones included (a refused group leaves its blocks free), and the plan
+    takes none."""
+    from runtime.analyze import MAX_REFUSED
+
+    out = tmp_path / "analysis"
+    run = tool("analyze", unpruned, "--out", out, "--parallel-blocks", "--parallel-max-kl", "0", *FAST)
+    assert run.returncode == 0, run.stderr
+    section = json.loads((out / "analysis.json").read_text())["parallel_blocks"]
+    rows = section["rows"]
+    assert len(rows) == 1 + MAX_REFUSED and not any(r["accepted"] for r in rows[1:])
+    assert [r["parallel"] for r in rows[1:]] == [[c["group"]] for c in section["candidates"][:MAX_REFUSED]]
+    assert section["accepted"] == section["plan"] == []
+    assert "parallel_blocks" not in json.loads((out / "plan.json").read_text())
+    assert run.stdout.count("refused: KL rises > 0") == MAX_REFUSED
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
         (["--block-group", "1"], "error: --block-group 1: a parallel group holds at least 2 blocks"),
         (["--parallel-count", "0"], "error: --parallel-count 0: the plan takes at least 1 parallel group"),
         (["--block-group", "10"], "no 10 consecutive full blocks (softmax attention and a SwiGLU FFN)"),
+        (["--parallel-max-kl", "-1"], "error: --parallel-max-kl -1.0: a KL bound is 0 or more nats"),
     ],
 )
 def test_parallel_blocks_refusals(tool, unpruned, tmp_path, flags, message) -> None:
