@@ -1,5 +1,6 @@
-"""Heal a fused model: fit each fused group's wide FFN to the original blocks' sequential output on
-calibration tokens (blockwise local distillation, torch), and write the healed model."""
+"""Heal a fused model: fit each fused group's wide FFN, and each parallel group's member FFNs, to the original
+blocks' sequential output on calibration tokens (blockwise local distillation, torch), and write the healed
+model."""
 
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ examples:
   heal.py decode.onnx decode.fused.onnx --weights-from model.healed.onnx -o decode.healed.onnx
                                              the prefill graph's healed weights into the decode graph
 
-The plan comes from the fused model's metadata (ffn_fusion.plan); the healed model has the same graph,
-only the fused groups' weights change, and records the healing in ffn_fusion.heal. Default calibration
+The plan comes from the fused model's metadata (ffn_fusion.plan): its FFN groups and its parallel groups
+(parallel_blocks) are healed; the healed model has the same graph, only those groups' FFN weights change,
+and records the healing in ffn_fusion.heal. Default calibration
 text: license texts and Python standard-library modules that tools/evaluate.py never uses; per-group
 held-out errors and the whole-model quality (perplexity, top-1 agreement, KL) use evaluate.py's texts.
 Any graph fuse_onnx.py fuses can be healed (prefill or KV-cache decode, static or dynamic batch); a graph

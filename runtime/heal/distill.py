@@ -7,7 +7,10 @@ to the *original sequential output* of the group's blocks on calibration tokens:
 
     minimize  sum_t ||x_t + FFN_fused(norm(x_t)) - y_t||^2 / sum_t ||y_t - x_t||^2
 
-x_t: the stream entering the group's FFNs, y_t: the original model's stream after block j. The streams
+x_t: the stream entering the group's FFNs, y_t: the original model's stream after block j. A full-block
+parallel group (Plan.parallel, design §10) is healed the same way on its members' FFNs (parallel.py):
+x_t is the stream entering block i, each member's h_k = x_t + Attn_k(norm1_k(x_t)) comes from the
+original block k run on x_t, and the target is again the original's stream after block j. The streams
 come from ONNX Runtime (the original model's per-block subgraphs, BlockRunner, streams.py); only the
 one group being fitted lives in torch, so memory holds one group's weights, gradients and Adam state.
 
@@ -35,9 +38,10 @@ from passes.analysis.runner import BlockRunner
 from passes.errors import UserError
 from passes.io.model_io import commit_output, staged_output
 from passes.validate import exactness_tolerance
-from runtime.heal.ffn import GroupWeights
+from runtime.heal.ffn import FusedFFN, GroupWeights, fingerprint
 from runtime.heal.fit import fit, relative_squared_error
 from runtime.heal.pair import HealPair, load_pair
+from runtime.heal.parallel import ParallelFFNs
 from runtime.heal.records import DEFAULT_CONFIG, GroupHeal, HealConfig, HealResult
 from runtime.heal.streams import Streams, token_rows
 from runtime.heal.transplant import check_origin, read_healed
@@ -105,9 +109,9 @@ def _heal_groups(
     result: HealResult,
     staging: Path,
     log: Callable[[str], None],
-) -> dict[tuple[int, int], dict[str, Path]]:
-    """Fit the groups along the stream, each one's errors appended to `result`: its fitted arrays, saved
-    under `staging`."""
+) -> dict[tuple[int, int], list[dict[str, Path]]]:
+    """Fit the groups along the stream, each one's errors appended to `result`: its fitted arrays (one set
+    per FFN it holds), saved under `staging`."""
     runner = BlockRunner(pair.original)
     log(
         f"capturing the original model's streams on {calib.size} + {heldout.size} tokens: "
@@ -116,46 +120,56 @@ def _heal_groups(
     streams = Streams(runner, pair, calib, heldout)
     blocks = pair.original_blocks
     tolerance = max(1e-4, 10 * exactness_tolerance(blocks))
-    groups = sorted(pair.plan.groups)  # along the stream: the healed chain runs from group to group
+    groups = pair.groups  # along the stream: the healed chain runs from group to group
     current = {id(c): c.streams[blocks[groups[0][0]].block_input.name] for c in streams.chunks}
     position = groups[0][0]  # the block whose input `current` is (healed model)
     saved = {}
     for first, last in groups:
         group_start = time.perf_counter()
+        group, parallel = (first, last), pair.is_parallel((first, last))
+        dims = 2 if parallel else 1  # a parallel group's inputs are packed (parallel.py)
         xs, ys = {}, {}
         for chunk in streams.chunks:
             if config.inputs == "original":
-                xs[id(chunk)] = chunk.streams[blocks[first].ffn_input.name]
+                xs[id(chunk)] = streams.group_input(chunk, group, None)
             else:
                 entering = streams.run_blocks(chunk, current[id(chunk)], position, first)
-                xs[id(chunk)] = streams.ffn_input(chunk, first, entering)
+                xs[id(chunk)] = streams.group_input(chunk, group, entering)
             ys[id(chunk)] = chunk.streams[runner.cuts[last].output_name]
         split = {held: [c for c in streams.chunks if c.held_out == held] for held in (False, True)}
-        x_cal, y_cal = (token_rows([d[id(c)] for c in split[False]]) for d in (xs, ys))
-        x_held, y_held = (token_rows([d[id(c)] for c in split[True]]) for d in (xs, ys))
-        weights = GroupWeights.read(pair.fused_block((first, last)))
-        start = weights.fingerprint()  # lets heal.py --weights-from find the same start in another graph
-        module = weights.module()
-        probe = x_cal[:256]
-        pair.check_start(blocks[first : last + 1], probe, module.apply(probe), tolerance)
-        before = [
-            relative_squared_error(module.apply(x), x, y) for x, y in ((x_cal, y_cal), (x_held, y_held))
-        ]
+        x_cal, x_held = (token_rows([xs[id(c)] for c in split[held]], dims) for held in (False, True))
+        y_cal, y_held = (token_rows([ys[id(c)] for c in split[held]]) for held in (False, True))
+        weights = [GroupWeights.read(b) for b in pair.weight_blocks(group)]
+        start = fingerprint(weights)  # lets heal.py --weights-from find the same start in another graph
+        if parallel:
+            module = ParallelFFNs(weights)
+            pair.check_parallel_start(group, weights)
+        else:
+            module = weights[0].module()
+            probe = x_cal[:256]
+            pair.check_start(blocks[first : last + 1], probe, module.apply(probe), tolerance)
+        sets = ((x_cal, y_cal), (x_held, y_held))
+        before = _errors(module, sets)
         log(
-            f"group [{first}, {last}]: fitting {sum(p.numel() for p in module.parameters())} parameters, "
+            f"{'parallel group' if parallel else 'group'} [{first}, {last}]: fitting "
+            f"{sum(p.numel() for p in module.parameters() if p.requires_grad)} parameters, "
             f"{config.steps} steps on {len(x_cal)} tokens"
         )
         fit(module, x_cal, y_cal, config)
-        after = [relative_squared_error(module.apply(x), x, y) for x, y in ((x_cal, y_cal), (x_held, y_held))]
+        after = _errors(module, sets)
         for chunk in streams.chunks:
             current[id(chunk)] = module.apply(xs[id(chunk)])
         position = last + 1
-        weights.update(module)
-        saved[(first, last)] = save_arrays(staging, f"group{first}_{last}", weights)
-        kept = "norm weight" if weights.own_norm else "fixed (its scale lies in the gate/up rows)"
+        if parallel:
+            module.update(weights)
+        else:
+            weights[0].update(module)
+        saved[group] = [save_arrays(staging, f"group{first}_{last}.{k}", w) for k, w in enumerate(weights)]
+        own = all(w.own_norm for w in weights)
+        kept = "norm weight" if own else "fixed (its scale lies in the gate/up rows)"
         heal = GroupHeal(
-            (first, last),
-            weights.gate.shape[1],
+            group,
+            sum(w.gate.shape[1] for w in weights),
             calib_before=before[0],
             calib_after=after[0],
             heldout_before=before[1],
@@ -163,9 +177,19 @@ def _heal_groups(
             seconds=time.perf_counter() - group_start,
             norm_weight=kept,
             start_sha256=start,
+            kind="parallel" if parallel else "ffn",
         )
         result.groups.append(heal)
         log(heal.line())
-        del module, weights, xs, ys
+        del module, weights, xs, ys, sets
     runner.close()
     return saved
+
+
+def _errors(module: FusedFFN | ParallelFFNs, sets: tuple[tuple[np.ndarray, np.ndarray], ...]) -> list[float]:
+    """The relative squared error on each (inputs, target) set: relative to what the whole group adds to the
+    stream x (for a parallel group x is the first of its packed inputs)."""
+    return [
+        relative_squared_error(module.apply(x), x[:, 0] if isinstance(module, ParallelFFNs) else x, y)
+        for x, y in sets
+    ]

@@ -30,6 +30,10 @@ class FusedFFN(torch.nn.Module):
         z = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm
         return torch.nn.functional.silu(z @ self.gate) * (z @ self.up)
 
+    def base(self, x: torch.Tensor) -> torch.Tensor:
+        """What the output holds besides hidden @ down (fit.py refits down against target - base)."""
+        return x
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.hidden(x) @ self.down
 
@@ -85,6 +89,14 @@ class GroupWeights:
     def update(self, module: FusedFFN) -> None:
         params = (module.gate, module.up, module.down, module.norm)
         self.gate, self.up, self.down, self.norm = (p.detach().numpy().copy() for p in params)
+
+
+def fingerprint(members: list[GroupWeights]) -> str:
+    """The starting weights of a group: its fused FFN's fingerprint, or for a parallel group (one FFN per
+    member) the sha256 of its members' fingerprints in block order."""
+    if len(members) == 1:
+        return members[0].fingerprint()
+    return hashlib.sha256("".join(m.fingerprint() for m in members).encode()).hexdigest()
 
 
 def concatenated(group: list[Block], mode: str) -> FusedFFN:

@@ -1,5 +1,9 @@
-"""Fitting a FusedFFN to a group's streams: the objective (relative squared error), Adam steps on all
-weights, and the closed-form (ridge least squares) refit of the down projection."""
+"""Fitting a group's FFN weights to its streams: the objective (relative squared error), Adam steps on all
+weights, and the closed-form (ridge least squares) refit of the down projection.
+
+A module here computes base(x) + hidden(x) @ down: a fused group's FusedFFN (base: the stream x) or a
+parallel group's ParallelFFNs (parallel.py; x packs the stream and each member's h_k, base = x + sum_k a_k).
+Either way the output is linear in `down`, which the refit solves for."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import numpy as np
 import torch
 
 from runtime.heal.ffn import FusedFFN
+from runtime.heal.parallel import ParallelFFNs
 from runtime.heal.records import HealConfig
 
 
@@ -18,25 +23,28 @@ def relative_squared_error(pred: np.ndarray, x: np.ndarray, y: np.ndarray) -> fl
     return float(((p - y) ** 2).sum() / max(((y - x) ** 2).sum(), 1e-300))
 
 
-def fit(module: FusedFFN, x: np.ndarray, y: np.ndarray, config: HealConfig) -> None:
+def fit(module: FusedFFN | ParallelFFNs, x: np.ndarray, y: np.ndarray, config: HealConfig) -> None:
     """Adam steps on all weights, then (ridge > 0) the down projection refitted in closed form."""
     adam(module, x, y, config)
     if config.ridge > 0:
         refit_down(module, x, y, config.ridge)
 
 
-def refit_down(module: FusedFFN, x: np.ndarray, y: np.ndarray, ridge: float, chunk: int = 2048) -> None:
+def refit_down(
+    module: FusedFFN | ParallelFFNs, x: np.ndarray, y: np.ndarray, ridge: float, chunk: int = 2048
+) -> None:
     """The down projection that minimizes ||h D - (y - x)||^2 + lam ||D - D_0||^2 for the current gate
     and up (h: the SwiGLU hidden activations, N tokens x width W), lam = ridge * mean_t ||h_t||^2: least
     squares, regularized towards the current D. With N >= W the W x W Gram matrix is accumulated over
     token chunks; with fewer tokens the N x N form D_0 + h^T (h h^T + lam)^-1 r is solved instead."""
-    rows, targets = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
+    targets = y.reshape(-1, y.shape[-1])
+    rows = x.reshape(len(targets), *x.shape[y.ndim - 1 :])  # [N, hidden], or packed [N, 1 + n, hidden]
 
     def residuals(s: int) -> tuple[torch.Tensor, torch.Tensor]:
         xs = torch.from_numpy(np.ascontiguousarray(rows[s : s + chunk], np.float32))
         h = module.hidden(xs)
         ys = torch.from_numpy(np.ascontiguousarray(targets[s : s + chunk], np.float32))
-        return h, ys - xs - h @ module.down
+        return h, ys - module.base(xs) - h @ module.down
 
     with torch.no_grad():
         width, count = module.down.shape[0], len(rows)
@@ -58,14 +66,15 @@ def refit_down(module: FusedFFN, x: np.ndarray, y: np.ndarray, ridge: float, chu
         module.down.add_(torch.cholesky_solve(rhs, torch.linalg.cholesky(gram)))
 
 
-def adam(module: FusedFFN, x: np.ndarray, y: np.ndarray, config: HealConfig) -> None:
+def adam(module: FusedFFN | ParallelFFNs, x: np.ndarray, y: np.ndarray, config: HealConfig) -> None:
     """Adam with a cosine learning-rate decay on minibatches of calibration tokens."""
     if config.steps == 0:
         return
     generator = torch.Generator().manual_seed(config.seed)
-    xs = torch.from_numpy(x.reshape(-1, x.shape[-1]).astype(np.float32))
     ys = torch.from_numpy(y.reshape(-1, y.shape[-1]).astype(np.float32))
-    scale = (ys - xs).pow(2).sum(-1)  # each token's own target size ("token" loss)
+    xs = torch.from_numpy(x.reshape(len(ys), *x.shape[y.ndim - 1 :]).astype(np.float32))
+    with torch.no_grad():
+        scale = (ys - module.base(xs)).pow(2).sum(-1)  # each token's own target size ("token" loss)
     mean_scale = scale.mean()
     optimizer = torch.optim.Adam([p for p in module.parameters() if p.requires_grad], lr=config.lr)
     schedule = torch.optim.lr_scheduler.LambdaLR(

@@ -1,6 +1,7 @@
 """The two models healing works on: an original model and its fused model, checked against each other
 (the plan in the fused model's metadata, both block tables, each group's starting weights, the batch and
-sequence dims both accept)."""
+sequence dims both accept). A plan's groups are its fused FFN groups and its full-block parallel groups
+(Plan.parallel); each is healed on the FFN weights it holds (`weight_blocks`)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from passes.model_map import find_blocks
 from passes.plan import Plan
 from passes.reference import parallel_sum
 from passes.validate import plan_from_metadata
+from runtime.heal.ffn import GroupWeights
 from runtime.heal.records import HEAL_METADATA_KEY
 from runtime.heal.shapes import RunShape
 
@@ -37,6 +39,33 @@ class HealPair:
 
     def fused_block(self, group: tuple[int, int]) -> Block:
         return self.fused_blocks[self.fused_index(group)]
+
+    @property
+    def groups(self) -> list[tuple[int, int]]:
+        """Every group to heal, FFN and parallel, along the stream."""
+        return sorted([*self.plan.groups, *self.plan.parallel])
+
+    def is_parallel(self, group: tuple[int, int]) -> bool:
+        return group in self.plan.parallel
+
+    def weight_blocks(self, group: tuple[int, int], blocks: list[Block] | None = None) -> list[Block]:
+        """The blocks of the fused model (or of `blocks`, another graph of it) whose FFNs healing fits for
+        `group`: the fused block of an FFN group, every member of a parallel group."""
+        blocks = self.fused_blocks if blocks is None else blocks
+        start = self.fused_index(group)
+        return blocks[start : start + group[1] - group[0] + 1] if self.is_parallel(group) else [blocks[start]]
+
+    def check_parallel_start(self, group: tuple[int, int], members: list[GroupWeights]) -> None:
+        """A parallel group keeps its blocks' weights: each member's FFN must hold the original block's
+        weights (float32, bit for bit). This catches an original that is not the one that was fused."""
+        first, last = group
+        for block, member in zip(self.original_blocks[first : last + 1], members, strict=True):
+            if GroupWeights.read(block).fingerprint() != member.fingerprint():
+                raise UserError(
+                    f"{self.original} does not match the fused model {self.fused}: its parallel group "
+                    f"[{first}, {last}] holds other FFN weights than the original's block {block.index}; "
+                    "pass the model that was fused"
+                )
 
     def check_start(self, group: list[Block], x: np.ndarray, got: np.ndarray, tolerance: float) -> None:
         """The starting weights must compute the parallel sum of the original blocks `group`
@@ -61,8 +90,8 @@ def load_pair(original: str | Path, fused: str | Path) -> HealPair:
         if not path.is_file():
             raise UserError(f"model {path} does not exist")
     plan = plan_from_metadata(fused)
-    if not plan.groups:
-        raise UserError(f"{fused}: its plan fuses no groups; there is nothing to heal")
+    if not plan.groups and not plan.parallel:
+        raise UserError(f"{fused}: its plan has no FFN or parallel groups; there is nothing to heal")
     props = load_model(fused).metadata_props
     if HEAL_METADATA_KEY in props:
         raise UserError(f"{fused} is already healed ({HEAL_METADATA_KEY} metadata); heal the fused model")
@@ -70,7 +99,8 @@ def load_pair(original: str | Path, fused: str | Path) -> HealPair:
     fused_blocks = find_blocks(load_model(fused))
     expected = len(original_blocks) - plan.removed_ffns
     mismatch = f"{original} does not match the fused model {fused}"
-    if len(fused_blocks) != expected or max(j for _, j in plan.groups) >= len(original_blocks):
+    last = max(j for _, j in [*plan.groups, *plan.parallel])
+    if len(fused_blocks) != expected or last >= len(original_blocks):
         raise UserError(
             f"{mismatch}: {len(original_blocks)} blocks, the plan {plan.to_json()} needs "
             f"{len(fused_blocks)} + {plan.removed_ffns}; pass the model that was fused"
@@ -80,4 +110,8 @@ def load_pair(original: str | Path, fused: str | Path) -> HealPair:
         width = sum(b.width for b in original_blocks[first : last + 1])
         if pair.fused_block((first, last)).width != width:
             raise UserError(f"{mismatch}: group [{first}, {last}] has width {width} in the original")
+    for first, last in plan.parallel:
+        members = pair.weight_blocks((first, last))
+        if any(b.parallel != (first, last) for b in members):
+            raise UserError(f"{mismatch}: blocks {first}..{last} are no parallel group in the fused model")
     return pair

@@ -44,12 +44,15 @@ class GroupHeal:
     heldout_after: float
     seconds: float
     norm_weight: str  # "norm weight" (fitted) or "fixed" (fold: its scale lies in the gate/up rows)
-    start_sha256: str = ""  # the fused weights it started from (GroupWeights.fingerprint)
+    start_sha256: str = ""  # the fused weights it started from (runtime.heal.ffn.fingerprint)
+    kind: str = "ffn"  # "ffn": a fused FFN group; "parallel": a full-block parallel group (its members' FFNs)
 
     def line(self) -> str:
         i, j = self.group
+        kind = f"parallel group [{i}, {j}] ({j - i + 1} FFNs, " if self.kind == "parallel" else None
+        what = kind or f"group [{i}, {j}] ("
         return (
-            f"group [{i}, {j}] (width {self.width}): relative squared error calibration "
+            f"{what}width {self.width}): relative squared error calibration "
             f"{self.calib_before:.4f} -> {self.calib_after:.4f}, held-out {self.heldout_before:.4f} -> "
             f"{self.heldout_after:.4f} ({self.seconds:.1f} s)"
         )

@@ -1,6 +1,6 @@
 """The original model's residual streams on calibration and held-out windows: captured with ONNX Runtime
-(BlockRunner) a chunk of windows at a time, and the original blocks run on other streams (the model
-healed so far)."""
+(BlockRunner) a chunk of windows at a time; the original blocks run on other streams (the model healed so
+far); and what the weights healing fits for a group read (group_input)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import numpy as np
 
 from passes.analysis.runner import BlockRunner
 from runtime.heal.pair import HealPair
+from runtime.heal.parallel import pack
 
 
 @dataclass
@@ -33,8 +34,8 @@ class Streams:
         self.keep = {blocks[i].ffn_input.name for i, _ in pair.plan.groups}
         # the stream leaving a group: the cut's name (a Skip*Normalization graph's last block has no
         # named residual sum; BlockRunner names it)
-        self.keep |= {runner.cuts[j].output_name for _, j in pair.plan.groups}
-        self.keep |= {blocks[i].block_input.name for i, _ in pair.plan.groups}
+        self.keep |= {runner.cuts[j].output_name for _, j in pair.groups}
+        self.keep |= {blocks[i].block_input.name for i, _ in pair.groups}
         self.chunks = [self._capture(t, False) for t in pair.shape.split(calib)]
         self.chunks += [self._capture(t, True) for t in pair.shape.split(heldout)]
 
@@ -57,6 +58,21 @@ class Streams:
         return self.runner.run_attention(block, stream)
 
 
-def token_rows(arrays: Sequence[np.ndarray]) -> np.ndarray:
-    """Streams [..., hidden] as one float32 matrix of token rows."""
-    return np.concatenate([a.reshape(-1, a.shape[-1]) for a in arrays]).astype(np.float32)
+    def group_input(self, chunk: Chunk, group: tuple[int, int], entering: np.ndarray | None) -> np.ndarray:
+        """What the weights healing fits for `group` read when `entering` enters block `group[0]` (None: the
+        original's stream): an FFN group, the stream entering its FFNs; a parallel group, that stream x and
+        every member's h_k = x + a_k (the original block's attention run on x), packed (parallel.pack)."""
+        first, last = group
+        blocks = self.pair.original_blocks
+        if not self.pair.is_parallel(group):
+            if entering is None:
+                return chunk.streams[blocks[first].ffn_input.name]
+            return self.ffn_input(chunk, first, entering)
+        x = chunk.streams[blocks[first].block_input.name] if entering is None else entering
+        return pack(x, [self.ffn_input(chunk, k, x) for k in range(first, last + 1)])
+
+
+def token_rows(arrays: Sequence[np.ndarray], dims: int = 1) -> np.ndarray:
+    """Streams [..., hidden] as one float32 matrix of token rows; with dims=2, packed inputs
+    [..., 1 + n, hidden] (parallel.pack) as token rows [N, 1 + n, hidden]."""
+    return np.concatenate([a.reshape(-1, *a.shape[-dims:]) for a in arrays]).astype(np.float32)

@@ -2,9 +2,9 @@
 fitted groups of a healed model (a prefill graph, say) read and staged for writing into another fused graph
 (the KV-cache decode graph that generation, engines and serving run), so that one heal serves every graph.
 
-The two graphs must be the same model fused with the same plan: the plans must be equal, and each fused
-group of the target must hold the very weights the heal started from (the sha256 of its starting weights,
-which the heal recorded in ffn_fusion.heal: runtime.heal.ffn.GroupWeights.fingerprint)."""
+The two graphs must be the same model fused with the same plan: the plans must be equal, and each group of
+the target (fused FFN or parallel) must hold the very weights the heal started from (the sha256 of its
+starting weights, which the heal recorded in ffn_fusion.heal: runtime.heal.ffn.fingerprint)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from passes.errors import UserError
 from passes.io.model_io import load_model
 from passes.model_map import find_blocks
 from passes.validate import exactness_tolerance, plan_from_metadata
-from runtime.heal.ffn import GroupWeights
+from runtime.heal.ffn import GroupWeights, fingerprint
 from runtime.heal.pair import HealPair
 from runtime.heal.records import HEAL_METADATA_KEY, GroupHeal, HealConfig, HealResult
 from runtime.heal.streams import token_rows
@@ -37,7 +37,12 @@ def healed_metadata(healed: Path) -> dict:
 
 def check_origin(pair: HealPair, tokens: np.ndarray) -> None:
     """Each fused group of `pair.fused` computes the parallel sum of `pair.original`'s blocks on the streams
-    of one run of `tokens` (what healing checks before it fits; here no fit follows)."""
+    of one run of `tokens`, and each parallel group holds the original blocks' FFN weights (what healing
+    checks before it fits; here no fit follows)."""
+    for group in pair.plan.parallel:
+        pair.check_parallel_start(group, [GroupWeights.read(b) for b in pair.weight_blocks(group)])
+    if not pair.plan.groups:
+        return
     blocks = pair.original_blocks
     runner = BlockRunner(pair.original)
     names = sorted({blocks[first].ffn_input.name for first, _ in pair.plan.groups})
@@ -52,7 +57,7 @@ def check_origin(pair: HealPair, tokens: np.ndarray) -> None:
 
 def read_healed(
     pair: HealPair, healed: Path, result: HealResult, staging: Path
-) -> dict[tuple[int, int], dict[str, Path]]:
+) -> dict[tuple[int, int], list[dict[str, Path]]]:
     """The healed groups of `healed`, checked to fit `pair.fused`, staged under `staging` (as
     distill._heal_groups stages a fit); `result` takes the heal's configuration and group records."""
     record = healed_metadata(healed)
@@ -68,16 +73,17 @@ def read_healed(
     result.calib_source, result.calib_tokens = record["calibration"], record["calib_tokens"]
     result.heldout_tokens, result.weights_from = record["heldout_tokens"], healed
     saved = {}
-    for group in sorted(pair.plan.groups):
+    for group in pair.groups:
         entry = groups.get(group)
-        start = GroupWeights.read(pair.fused_block(group)).fingerprint()
+        start = fingerprint([GroupWeights.read(b) for b in pair.weight_blocks(group)])
         if entry is None or entry.get("start_sha256") != start:
             raise UserError(
                 f"{pair.fused} is not the model {healed} was healed from: group {list(group)} starts from "
                 "other weights (another original model, or a heal that recorded no starting weights); "
                 "fuse the same original with the same plan, or heal this graph itself"
             )
-        weights = GroupWeights.read(healed_blocks[pair.fused_index(group)])
-        saved[group] = save_arrays(staging, f"group{group[0]}_{group[1]}", weights)
+        weights = [GroupWeights.read(b) for b in pair.weight_blocks(group, healed_blocks)]
+        name = f"group{group[0]}_{group[1]}"
+        saved[group] = [save_arrays(staging, f"{name}.{k}", w) for k, w in enumerate(weights)]
         result.groups.append(GroupHeal(**{**entry, "group": group, "seconds": 0.0}))
     return saved

@@ -76,10 +76,10 @@ def test_a_written_model_that_differs_from_the_fit_is_not_committed(folded, monk
 
     def write_off_by_one_percent(pair, saved, result, staged):
         off = {}
-        for group, paths in saved.items():
-            off[group] = dict(paths)
-            off[group]["down"] = tmp_path / f"down_{group[0]}_{group[1]}.npy"
-            np.save(off[group]["down"], 1.01 * np.load(paths["down"]))
+        for group, (paths,) in saved.items():
+            off[group] = [dict(paths)]
+            off[group][0]["down"] = tmp_path / f"down_{group[0]}_{group[1]}.npy"
+            np.save(off[group][0]["down"], 1.01 * np.load(paths["down"]))
         write(pair, off, result, staged)
 
     monkeypatch.setattr(runtime.heal.distill, "write_healed", write_off_by_one_percent)
