@@ -520,23 +520,27 @@ def _parallel_members(
     attention, ffns, left = [], [], list(outputs)
     for k, add in enumerate(adds):
         h = add.output
-        found = None
-        for output in left:
-            try:
-                found = (output, *_match_ffn_output(output, h))
-                break
-            except NoMatch:
-                continue
-        if h is None or found is None:
+        if h is None:
             return None
-        output, ffn, norm = found
+        h_start = _branch_start(h)
+        # The FFN reading this member's h: a SwiGLU, or (FP8 Q/DQ, another rewrite) any branch of h.
+        reads_h = [output for output in left if branch_nodes(output, h_start)]
+        if len(reads_h) != 1:
+            return None
+        output = reads_h[0]
         left.remove(output)
+        position = index + 2 * k
+        member = {"group": number, "value": output}
+        try:
+            ffn, norm = _match_ffn_output(output, h)
+            branch = ResidualBranch(position + 1, "ffn", h, h_start, total, norm, ffn, **member)
+        except NoMatch as exc:
+            why = f"{_describe_branch(output, h_start)} ({exc})"
+            branch = ResidualBranch(position + 1, "other", h, h_start, total, why=why, **member)
         start = _branch_start(x)  # blocks after the first read x through a norm of their own
         start = start if branch_nodes(add.branch, start) else x
-        position = index + 2 * k
         attention.append(ResidualBranch(position, "attention", x, start, add, group=number))
-        ffns.append(ResidualBranch(position + 1, "ffn", h, _branch_start(h), total, norm, ffn, group=number,
-                                   value=output))
+        ffns.append(branch)
     return tuple(attention), tuple(ffns)
 
 

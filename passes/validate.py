@@ -367,31 +367,13 @@ def _sum_name(proto: onnx.ModelProto, residual: ResidualAdd) -> str:
     return node.output[3]
 
 
-def _from_weights_only(graph: NameGraph, name: str) -> bool:
-    """Whether value `name` is computed from initializers and constants only (reads no graph input)."""
-    seen, frontier = {name}, [name]
-    while frontier:
-        value = frontier.pop()
-        if value in graph.initializers:
-            continue
-        if value not in graph.producer:
-            return False  # a graph input
-        for source in graph.nodes[graph.producer[value]].input:
-            if source and source not in seen:
-                seen.add(source)
-                frontier.append(source)
-    return True
-
-
 def _run_span(
     proto: onnx.ModelProto, folder: Path, x_name: str, y_name: str, x: np.ndarray, values: dict
 ) -> np.ndarray:
     """The fused graph from stream x_name to stream y_name, alone: x given, side tensors from `values`."""
     split_skip_norms(proto, [x_name])  # a Skip*Norm at x also computes the group's first norm: its own
     fill_stream_types(proto, [x_name, y_name])
-    names = NameGraph(proto)
-    # Values computed from weights alone (a fused weight's Transpose) stay in the extracted graph.
-    side = [n for n in names.block_side_inputs(x_name, y_name) if not _from_weights_only(names, n)]
+    side = NameGraph(proto).block_side_inputs(x_name, y_name)
     missing = [name for name in side if name not in values]
     if missing:
         raise ValidationError(f"the group from {x_name!r} reads {missing[0]!r}, which the original lacks")

@@ -78,7 +78,9 @@ class NameGraph:
         return seen
 
     def block_side_inputs(self, start: str, end: str) -> list[str]:
-        """Values the block start -> end reads that it does not compute from `start` (initializers aside)."""
+        """Values the block start -> end reads that it does not compute from `start`. Initializers, and
+        values computed from them alone (an exporter's Transpose of a stored weight), belong to the block:
+        fed from another run they would be that run's weights, not the block's own."""
         dependent = self.forward_cone(start)
         if end not in dependent:
             raise UserError(f"block output {end!r} is not computed from its input {start!r}")
@@ -89,11 +91,26 @@ class NameGraph:
                 if not name or name in seen or name == start or name in self.initializers:
                     continue
                 seen.add(name)
-                if name in dependent:
+                if name in dependent or self.from_weights_only(name):
                     frontier.append(name)
                 else:
                     side.append(name)
         return sorted(side)
+
+    def from_weights_only(self, name: str) -> bool:
+        """Whether value `name` is computed from initializers alone (reads no graph input)."""
+        seen, frontier = {name}, [name]
+        while frontier:
+            value = frontier.pop()
+            if value in self.initializers:
+                continue
+            if value not in self.producer:
+                return False  # a graph input
+            for source in self.nodes[self.producer[value]].input:
+                if source and source not in seen:
+                    seen.add(source)
+                    frontier.append(source)
+        return True
 
 
 def _reads_values(node: onnx.NodeProto, name: str) -> bool:
