@@ -13,11 +13,13 @@ import pytest
 import torch
 
 from passes.graph_inputs import Signature
-from passes.io.model_io import load_model
+from passes.io.model_io import load_model, save_model
 from passes.io.sessions import open_session
-from passes.model_map import build_model_map
+from passes.model_map import build_model_map, walk_stream
 from passes.pipeline import fuse_file
 from passes.plan import parse_plan
+from passes.quant.calibrate import calibrate
+from passes.quant.fp8 import quantize_fp8
 from tests.torch_reference import parallel_blocks_model
 
 pytestmark = pytest.mark.slow
@@ -83,6 +85,22 @@ def test_third_party_parallel_groups_equal_torch(third_party_corpus, corpus_hf, 
     check(report, CORPUS_GROUPS, out)
     model = AutoModelForCausalLM.from_pretrained(corpus_hf, dtype=torch.float32).eval()
     assert rel(ort_logits(out), torch_logits(model, CORPUS_GROUPS)) < 1e-4
+    if name == "optimum":
+        check_fp8(out, tmp_path / "fp8.onnx")
+
+
+def check_fp8(parallel: Path, out: Path) -> None:
+    """FP8 Q/DQ of a parallelized third-party graph: the groups survive (the stream walk, which the sharder
+    uses, reads them with Q/DQ FFN branches) and the logits stay close to the fp32 parallel graph."""
+    feeds = Signature.of(onnx.load(str(parallel), load_external_data=False)).feeds(IDS)
+    scales = calibrate(parallel, [feeds], progress=False)
+    model = load_model(parallel)
+    report = quantize_fp8(model, scales)
+    assert report.weights > 0
+    save_model(model, out, external=True)
+    assert [g.size for g in walk_stream(load_model(out)).parallel] == [4, 4]
+    fp8, fp32 = ort_logits(out), ort_logits(parallel)
+    assert 1e-4 < rel(fp8, fp32) < 0.25  # it ran in FP8, close to the fp32 parallel graph
 
 
 def test_genai_int4_parallel_groups_validate(third_party_corpus, tmp_path) -> None:
