@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import openai
 import pytest
 
 from exporters.hf.synthetic import deci_block, nemotron_config, write_nemotron
@@ -18,8 +17,8 @@ from passes.io.model_io import load_model
 from passes.model_map import walk_stream
 from tests import fp8_fixtures as fx
 from tests import serve_fixtures as sf
-from tests.runtime.serve.clients import start_cli
-from tests.tools.test_heal_deploy import SHAPES, greedy_by_rerun
+from tests.tools.test_heal_deploy import SHAPES
+from tests.tools.test_puzzle_path import fuse_and_heal, serve_healed_and_tp2
 
 VOCAB = 96
 # Layers 0-3 full (KV heads 2, 4, 1, 2), 4-6 attention-free (Puzzle no_op attention), 7-8 full.
@@ -50,21 +49,7 @@ def path(tmp_path_factory, tool) -> dict:
          "--out", analysis, check=True)
     p["analysis"] = analysis
     p["plan"] = analysis / "plan.json"
-    for graph in ("prefill", "decode"):
-        p[f"{graph}_fused"] = p[graph].with_name("model.fused.onnx")
-        tool("fuse_onnx", p[graph], p["plan"], "-o", p[f"{graph}_fused"], check=True)
-    common = ["--calib", ids, "--heldout", ids, "--window", 64, "--steps", 4, "--eval-tokens", 0]
-    p["prefill_healed"] = p["prefill"].with_name("model.healed.onnx")
-    tool("heal", p["prefill"], p["prefill_fused"], *common, "-o", p["prefill_healed"], check=True)
-    served = work / "served"  # the folder a user serves: the healed decode graph as model.onnx, tokenizer
-    served.mkdir()
-    for name in ("tokenizer.json", "tokenizer_config.json", "config.json", "generation_config.json"):
-        (served / name).write_bytes((p["decode"].parent / name).read_bytes())
-    p["decode_healed"] = served / "model.onnx"
-    tool("heal", p["decode"], p["decode_fused"], "--weights-from", p["prefill_healed"], *common,
-         "-o", p["decode_healed"], check=True)
-    p["ids"] = ids
-    return p
+    return fuse_and_heal(p, ids, work / "served", tool)
 
 
 def test_plan_blocks_and_evaluation(path, tool) -> None:
@@ -108,17 +93,4 @@ def test_tp2_counts_two_all_reduces_per_group(path, tool) -> None:
 
 
 def test_healed_decode_graph_and_its_tp2_ranks_serve_the_prefill_tokens(path, tool) -> None:
-    expected = greedy_by_rerun(path["prefill_healed"], PROMPT, STEPS)
-    served = path["decode_healed"].parent
-    tp2 = served.parent / "tp2"
-    tool("shard_tp", path["decode_healed"], "--tp", 2, "--out", tp2, check=True)
-    for target in (served, tp2):
-        process, url, _ = start_cli(str(target), "--model-name", "parallel", "--log-level", "warning")
-        try:
-            api = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
-            reply = api.completions.create(model="parallel", prompt=PROMPT, max_tokens=STEPS, temperature=0)
-        finally:
-            process.terminate()
-            process.wait(timeout=60)
-        generated = [t for t in expected if t != sf.EOS]
-        assert reply.choices[0].text.split()[: len(generated)] == sf.words(generated).split(), target
+    serve_healed_and_tp2(path, tool, PROMPT, STEPS)

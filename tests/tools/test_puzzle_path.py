@@ -40,13 +40,19 @@ def path(tmp_path_factory, tool) -> dict:
     tool("analyze", p["prefill"], "--tokens", ids, "--window", 64, "--num-tokens", 512, "--threshold", 100,
          "--out", analysis, check=True)
     p["plan"] = analysis / "plan.json"
+    return fuse_and_heal(p, ids, work / "served", tool)
+
+
+def fuse_and_heal(p: dict, ids, served, tool) -> dict:
+    """The rest of the path from p["plan"]: both graphs fused, the prefill graph healed, and `served` (the
+    folder a user serves: the healed decode graph as model.onnx, the tokenizer files) filled by heal.py
+    --weights-from. Adds the paths to `p` and returns it."""
     for graph in ("prefill", "decode"):
         p[f"{graph}_fused"] = p[graph].with_name("model.fused.onnx")
         tool("fuse_onnx", p[graph], p["plan"], "-o", p[f"{graph}_fused"], check=True)
     common = ["--calib", ids, "--heldout", ids, "--window", 64, "--steps", 4, "--eval-tokens", 0]
     p["prefill_healed"] = p["prefill"].with_name("model.healed.onnx")
     tool("heal", p["prefill"], p["prefill_fused"], *common, "-o", p["prefill_healed"], check=True)
-    served = work / "served"  # the folder a user serves: the healed decode graph as model.onnx, tokenizer
     served.mkdir()
     for name in ("tokenizer.json", "tokenizer_config.json", "config.json", "generation_config.json"):
         (served / name).write_bytes((p["decode"].parent / name).read_bytes())
@@ -82,17 +88,23 @@ def test_fp8_engine_and_tp2_shards(path, tool, tmp_path) -> None:
 
 
 def test_healed_decode_graph_and_its_tp2_ranks_serve_the_prefill_tokens(path, tool) -> None:
-    expected = greedy_by_rerun(path["prefill_healed"], PROMPT, STEPS)
+    serve_healed_and_tp2(path, tool, PROMPT, STEPS)
+
+
+def serve_healed_and_tp2(path: dict, tool, prompt: list[int], steps: int) -> None:
+    """The healed decode graph and its TP 2 ranks, each served by tools/serve.py, answer the openai client
+    with the greedy tokens of the healed prefill graph (re-run at every step, no cache)."""
+    expected = greedy_by_rerun(path["prefill_healed"], prompt, steps)
+    generated = [t for t in expected if t != sf.EOS]
     served = path["decode_healed"].parent
     tp2 = served.parent / "tp2"
     tool("shard_tp", path["decode_healed"], "--tp", 2, "--out", tp2, check=True)
     for target in (served, tp2):
-        process, url, _ = start_cli(str(target), "--model-name", "puzzle", "--log-level", "warning")
+        process, url, _ = start_cli(str(target), "--model-name", "path", "--log-level", "warning")
         try:
             api = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
-            reply = api.completions.create(model="puzzle", prompt=PROMPT, max_tokens=STEPS, temperature=0)
+            reply = api.completions.create(model="path", prompt=prompt, max_tokens=steps, temperature=0)
         finally:
             process.terminate()
             process.wait(timeout=60)
-        generated = [t for t in expected if t != sf.EOS]
         assert reply.choices[0].text.split()[: len(generated)] == sf.words(generated).split(), target
