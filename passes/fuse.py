@@ -61,7 +61,7 @@ class FuseFFNGroups(ir.passes.InPlacePass):
         if self._checked is None or self._checked[0] is not model:  # PassBase runs `requires` just before
             self.requires(model)
         blocks, self._checked = self._checked[1], None
-        self._expected_blocks = len(blocks) - self.plan.removed_ffns
+        self._expected_blocks = len(blocks) - self.plan.removed_blocks
         for group in self.plan.groups:
             _fuse_group(model.graph, ffn_members(blocks, group), self.plan.norm, group)
         model.metadata_props[PLAN_METADATA_KEY] = self.plan.to_json()

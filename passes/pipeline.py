@@ -77,5 +77,5 @@ def fuse_file(
                 raise ValidationError("; ".join(report.lines()) + " -- fused model not written")
         commit_output(staged, output)
     return FuseResult(
-        output, blocks, len(blocks) - plan.removed_ffns, nodes_before, len(model.graph), external, report
+        output, blocks, len(blocks) - plan.removed_blocks, nodes_before, len(model.graph), external, report
     )

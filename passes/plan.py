@@ -27,8 +27,9 @@ class Plan:
         return json.dumps(data, sort_keys=True)
 
     @property
-    def removed_ffns(self) -> int:
-        """FFN sub-blocks (and so tensor-parallel all-reduces) a fused model has fewer of."""
+    def removed_blocks(self) -> int:
+        """Blocks a fused model has fewer of: a group [i, j] becomes one block, identity layers inside it
+        included (all-reduces are counted from the graph: passes.shard.count_allreduces)."""
         return sum(j - i for i, j in self.groups)
 
 

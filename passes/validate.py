@@ -122,7 +122,7 @@ def validate(
     original_blocks = find_blocks(load_model(original))
     fused_model = load_model(fused)
     fused_blocks = find_blocks(fused_model)
-    expected = len(original_blocks) - plan.removed_ffns
+    expected = len(original_blocks) - plan.removed_blocks
     if len(fused_blocks) != expected:
         raise ValidationError(f"fused model has {len(fused_blocks)} blocks, the plan gives {expected}")
     # Each group's SwiGLU blocks (FFN-free blocks inside a group fuse nothing) and its fused block's place.

@@ -97,13 +97,13 @@ def load_pair(original: str | Path, fused: str | Path) -> HealPair:
         raise UserError(f"{fused} is already healed ({HEAL_METADATA_KEY} metadata); heal the fused model")
     original_blocks = find_blocks(load_model(original))
     fused_blocks = find_blocks(load_model(fused))
-    expected = len(original_blocks) - plan.removed_ffns
+    expected = len(original_blocks) - plan.removed_blocks
     mismatch = f"{original} does not match the fused model {fused}"
     last = max(j for _, j in [*plan.groups, *plan.parallel])
     if len(fused_blocks) != expected or last >= len(original_blocks):
         raise UserError(
             f"{mismatch}: {len(original_blocks)} blocks, the plan {plan.to_json()} needs "
-            f"{len(fused_blocks)} + {plan.removed_ffns}; pass the model that was fused"
+            f"{len(fused_blocks)} + {plan.removed_blocks}; pass the model that was fused"
         )
     pair = HealPair(original, fused, plan, original_blocks, fused_blocks, RunShape.of([original, fused]))
     for first, last in plan.groups:
