@@ -114,3 +114,43 @@ def test_genai_int4_parallel_groups_validate(third_party_corpus, tmp_path) -> No
     assert any("float activations" in note for note in report.notes)
     nbits = [n for n in load_model(out).graph if n.op_type == "MatMulNBits"]
     assert {n.attributes["accuracy_level"].as_int() for n in nbits} == {4}
+
+
+@pytest.mark.slow  # ~2 minutes: two exports of the real SmolLM2, two fusions, TP 2 ranks over gloo
+def test_smollm2_hf_folder_and_optimum_exports(tmp_path) -> None:
+    """The real SmolLM2-135M, unpruned, as a Hugging Face folder (exporters/hf/folder.py writes it from the
+    GGUF) exported by this project's --hf exporter and by Optimum: two 4-block parallel groups give the
+    logits of transformers running the parallel form (1e-4), 60 -> 48 all-reduces, and Optimum's TP 2
+    ranks over gloo equal its one-device graph (1e-5)."""
+    from transformers import AutoModelForCausalLM
+
+    from exporters.hf.checkpoint import export_hf
+    from exporters.hf.folder import save_smollm2
+    from passes.metrics import max_abs_relative_error
+    from passes.shard import count_allreduces
+    from tests.corpora.third_party import export_optimum
+    from tests.passes.shard.test_parallel_groups import _over_gloo
+
+    hf = save_smollm2(tmp_path / "hf")
+    sources = {"hf": tmp_path / "hf_export" / "model.onnx"}
+    export_hf(hf, sources["hf"], dtype="float32")
+    sources["optimum"] = export_optimum(hf, tmp_path / "optimum", with_past=True)
+    reference = torch_logits(AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval(),
+                             SMOLLM2_GROUPS)
+    plan = parse_plan({"parallel_blocks": SMOLLM2_GROUPS})
+    for name, source in sources.items():
+        out = tmp_path / f"{name}.parallel.onnx"
+        check(fuse_file(source, plan, out).report, SMOLLM2_GROUPS, out)
+        assert rel(ort_logits(out), reference) < 1e-4, name
+        assert (count_allreduces(source), count_allreduces(out)) == (60, 48), name
+    ids = IDS[:, :9]
+    optimum = tmp_path / "optimum.parallel.onnx"
+    (tmp_path / "tp").mkdir()
+    got = _over_gloo({"optimum": optimum}, tmp_path / "tp", ids)["optimum"]
+    assert max_abs_relative_error(got, _one_device(optimum, ids)) <= 1e-5
+
+
+def _one_device(path: Path, ids: np.ndarray) -> np.ndarray:
+    proto = onnx.load(str(path), load_external_data=False)
+    signature = Signature.of(proto)
+    return open_session(proto, folder=path.parent).run([signature.logits.name], signature.feeds(ids))[0]

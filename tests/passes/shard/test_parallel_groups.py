@@ -149,21 +149,3 @@ def test_third_party_parallel_group_tp2(third_party_corpus, tmp_path: Path) -> N
         error = max_abs_relative_error(got[name], corpus_single_device(source))
         print(f"{name} parallel [2, 5] tp=2: max rel error {error:.2e}")
         assert error <= TOLERANCE, f"{name}: {error:.2e}"
-
-
-@pytest.mark.slow
-def test_smollm2_two_parallel_groups_tp2(tmp_path: Path) -> None:
-    """The real SmolLM2-135M unpruned with parallel groups [4, 7] and [12, 15]: 60 -> 48 all-reduces, and
-    its TP 2 ranks equal one device."""
-    from exporters.onnx_export import export_smollm2
-
-    source = tmp_path / "smollm2.onnx"
-    export_smollm2(source, drop_attention=())
-    parallel = tmp_path / "smollm2.parallel.onnx"
-    fuse_file(source, parse_plan({"parallel_blocks": [[4, 7], [12, 15]]}), parallel, validate_output=False)
-    assert count_allreduces(source) == 60 and count_allreduces(parallel) == 48
-    ids = np.random.default_rng(7).integers(0, 49152, (1, 9)).astype(np.int64)
-    got = _over_gloo({"smollm2": parallel}, tmp_path, ids)["smollm2"]
-    error = max_abs_relative_error(got, ort_logits(parallel, ids))
-    print(f"SmolLM2 parallel [4, 7], [12, 15] tp=2: max rel error {error:.2e}")
-    assert error <= TOLERANCE
