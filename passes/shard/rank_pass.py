@@ -70,7 +70,10 @@ class ShardRank(ir.passes.InPlacePass):
         reduced = [node.inputs[0].producer() for node in found if collective_op(node) == "all_reduce"]
         expected = self.info.allreduces if self.info is not None else -1
         if len(reduced) != expected or len({id(node) for node in reduced}) != len(reduced):
-            raise AssertionError(f"{len(reduced)} all-reduces, expected {expected} (branches and groups)")
+            raise AssertionError(
+                f"{len(reduced)} all-reduces, expected {expected} "
+                "(one per residual branch, two per parallel group)"
+            )
         if odd := [node for node in reduced if not _reduces_projections(node)]:
             raise AssertionError(f"an all-reduce reads {odd[0].op_type if odd[0] else 'a graph input'}")
         gathers = sum(collective_op(node) == "all_gather" for node in found)

@@ -99,7 +99,7 @@ class _DropsAnAllReduce(ShardRank):
     ("broken", "message"),
     [
         (lambda scales: _SkipsTheRewrite(scales), "linear layer(s) left in float"),
-        (lambda scales: _DropsAnAllReduce(2, 1), "8 all-reduces for 9 residual branches"),
+        (lambda scales: _DropsAnAllReduce(2, 1), "8 all-reduces, expected 9 (one per residual branch"),
     ],
     ids=["fp8", "shard"],
 )
