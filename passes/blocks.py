@@ -91,6 +91,11 @@ class Block:
         return self.attention_kind != "none" or self.ffn_kind in ("linear", "other")
 
     @property
+    def full(self) -> bool:
+        """Softmax attention and a SwiGLU FFN: what a parallel group's member needs (passes.plan)."""
+        return self.attention and self.ffn is not None
+
+    @property
     def has_swiglu(self) -> bool:
         return self.ffn is not None
 

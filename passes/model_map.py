@@ -229,13 +229,16 @@ def walk_stream(model: ir.Model, signature: Signature | None = None) -> Stream:
     groups: list[ParallelSum] = []
     stream: ir.Value | None = start
     while stream is not None:
-        group = _parallel_sum(stream, len(branches), len(groups))
+        candidates = _residual_candidates(stream)
+        # A residual add's branch ends in a projection (maybe plus a bias); other adds of the stream do not.
+        ending = [c for c in candidates if end_projection(c.branch) is not None]
+        group = _parallel_sum(stream, candidates, ending, len(branches), len(groups))
         if group is not None:
             groups.append(group)
             branches.extend(b for pair in zip(group.attention, group.ffns, strict=True) for b in pair)
             stream = group.residual.output
             continue
-        residual = _residual_add(stream)
+        residual = _residual_add(stream, candidates, ending)
         if residual is None:
             break
         branches.append(_classify(len(branches), stream, residual))
@@ -474,28 +477,29 @@ def _residual_candidates(stream: ir.Value) -> list[ResidualAdd]:
     return candidates
 
 
-def _residual_add(stream: ir.Value) -> ResidualAdd | None:
-    """The residual add that consumes `stream` (or a copy of it), if the stream goes on."""
-    candidates = _residual_candidates(stream)
-    # The residual add's branch ends in a projection (maybe plus a bias); other adds of the stream do not.
-    ending_in_linear = [c for c in candidates if end_projection(c.branch) is not None]
-    if len(ending_in_linear) > 1:
-        names = ", ".join(repr(c.node.name) for c in ending_in_linear)
+def _residual_add(
+    stream: ir.Value, candidates: list[ResidualAdd], ending: list[ResidualAdd]
+) -> ResidualAdd | None:
+    """The residual add that consumes `stream` (or a copy of it), if the stream goes on: of the residual
+    adds reading it (`candidates`), the one whose branch ends in a projection (`ending`)."""
+    if len(ending) > 1:
+        names = ", ".join(repr(c.node.name) for c in ending)
         raise UserError(f"the residual stream {stream.name!r} feeds several residual adds ({names})")
-    chosen = ending_in_linear or candidates
+    chosen = ending or candidates
     return chosen[0] if len(chosen) == 1 else None
 
 
-def _parallel_sum(stream: ir.Value, index: int, number: int) -> ParallelSum | None:
-    """The parallel group that starts at `stream`, if one does (module docstring); `index` is the position of
-    its first branch among all branches, `number` its own among the groups."""
-    candidates = _residual_candidates(stream)
-    attention = [c for c in candidates if end_projection(c.branch) is not None]
+def _parallel_sum(
+    stream: ir.Value, candidates: list[ResidualAdd], attention: list[ResidualAdd], index: int, number: int
+) -> ParallelSum | None:
+    """The parallel group that starts at `stream`, if one does (module docstring): of the residual adds
+    reading it (`candidates`), those whose branch ends in a projection (`attention`) are its members'; `index`
+    is the position of its first branch among all branches, `number` its own among the groups."""
     if len(attention) < 2:
         return None
     for total in (c for c in candidates if c not in attention):
         node = total.branch.producer()
-        if node is None or node.op_type != "Add" or end_projection(total.branch) is not None:
+        if node is None or node.op_type != "Add":
             continue
         attention_sum, ffn_sum = node.inputs[0], node.inputs[1]
         by_output = {c.branch: c for c in attention}

@@ -164,7 +164,7 @@ def _check_parallel_member(block: Block, name: str) -> None:
 
 
 def _not_full(block: Block) -> str | None:
-    """What a block lacks to be in a parallel group, or None."""
+    """What a block lacks to be in a parallel group (None: Block.full)."""
     if block.attention_kind == "none":
         return "has no attention part"
     if block.attention_kind != "attention":

@@ -104,7 +104,7 @@ def analyze_and_plan(
     if options.parallel_blocks:
         check_parallel_options(options)
     runner = BlockRunner(model)
-    full = [full_block(b) for b in runner.blocks]
+    full = [b.full for b in runner.blocks]
     if options.parallel_blocks and not full_block_windows(full, options.block_group):
         runner.close()
         raise UserError(
@@ -219,11 +219,6 @@ def check_parallel_options(options: AnalyzeOptions) -> None:
         raise UserError(f"--parallel-max-kl {options.parallel_max_kl}: a KL bound is 0 or more nats")
     if options.eval_tokens < 2:
         raise UserError(f"--eval-tokens {options.eval_tokens}: perplexity needs at least 2 tokens")
-
-
-def full_block(block: Block) -> bool:
-    """What a parallel group's member needs: softmax attention and a SwiGLU FFN (passes.plan)."""
-    return block.attention and block.ffn_kind == "swiglu"
 
 
 def layer_shapes(blocks: Sequence[Block]) -> list[LayerShape]:

@@ -47,11 +47,7 @@ def insert_collective(graph: ir.Graph, value: ir.Value, operation: str, tp: int)
     if value.type is None:
         value.type = walk_type(value)
     reduced = ir.Value(name=f"{value.name}_{operation}", type=value.type, shape=value.shape)
-    for use in list(value.uses()):
-        use.node.replace_input_with(use.idx, reduced)
-    for i, out in enumerate(graph.outputs):
-        if out is value:
-            graph.outputs[i] = reduced
+    _redirect(graph, value, reduced, list(value.uses()))
     node = collective_node([value], reduced, operation, tp, name=f"{value.name}/{operation}")
     graph.insert_after(value.producer(), node)
     return reduced
@@ -86,12 +82,18 @@ def insert_stacked_allreduce(graph: ir.Graph, values: list[ir.Value], width: int
         split = ir.Node("", "Split", [reduced], attributes=[ir.AttrInt64("axis", -1),
                         ir.AttrInt64s("split", sizes.tolist())], outputs=parts, name=f"{name}/unstack")
     for value, part, uses in zip(values, parts, readers, strict=True):
-        for use in uses:
-            use.node.replace_input_with(use.idx, part)
-        for i, out in enumerate(graph.outputs):
-            if out is value:
-                graph.outputs[i] = part
+        _redirect(graph, value, part, uses)
     graph.extend([concat, collective, split])
+
+
+def _redirect(graph: ir.Graph, value: ir.Value, replacement: ir.Value, uses: list) -> None:
+    """`uses` (readers of `value`, taken before the collective that reads it was made) and any graph output
+    that is `value` read `replacement` instead."""
+    for use in uses:
+        use.node.replace_input_with(use.idx, replacement)
+    for i, out in enumerate(graph.outputs):
+        if out is value:
+            graph.outputs[i] = replacement
 
 
 def gather_logits(graph: ir.Graph, head: WeightRef, vocab: int, tp: int) -> None:

@@ -10,7 +10,7 @@ e.g. a Nemotron-NAS replace_with_linear attention or FFN) is row-parallel alone:
 share of the replicated input's features by its rows of the weight, and the all-reduce sums the shares.
 Anything else is an FFN (SwiGLU, or any branch of equal-width column layers: FP8 Q/DQ, a fused wide FFN).
 
-A parallel group of blocks (passes/parallel.py, the model map's ParallelSum) is one `ParallelGroup`: its
+A parallel group of blocks (passes/parallel.py, the model map's ParallelSum) is one `TpParallelGroup`: its
 members' branches are sharded like any other, but the group needs two all-reduces, not two per member: one
 of its members' stacked attention outputs and one of the sum of its FFN outputs (passes.shard.rewrite).
 """
@@ -93,19 +93,14 @@ class Branch:
 
 
 @dataclass
-class ParallelGroup:
+class TpParallelGroup:
     """A parallel group of blocks: y = x + sum_k a_k + sum_k f_k. Under TP each a_k and f_k is a partial sum
     over ranks, so the group reduces its attention outputs a_k together (stacked) and the local sum of its
     f_k once: the all-reduce of a sum is the sum of the all-reduces."""
 
     number: int
     attention: list[Branch]  # the members' attention branches, in block order
-    ffns: list[Branch]  # the members' FFN branches, in block order
     ffn_sum: ir.Value  # f_1 + ... + f_n, read by the group's residual add
-
-    @property
-    def size(self) -> int:
-        return len(self.attention)
 
     @property
     def hidden(self) -> int:
@@ -118,7 +113,7 @@ class TpStructure:
     embedding: ir.Node
     branches: list[Branch]
     lm_head: WeightRef | None
-    groups: list[ParallelGroup] = field(default_factory=list)
+    groups: list[TpParallelGroup] = field(default_factory=list)
 
     @property
     def allreduces(self) -> int:
@@ -158,12 +153,12 @@ def find_structure(model: ir.Model, world: World | None = None) -> TpStructure:
     return TpStructure(embedding.node, branches, weight_ref(head.node) if head is not None else None, groups)
 
 
-def _group(number: int, source: ParallelSum, branches: list[Branch]) -> ParallelGroup:
+def _group(number: int, source: ParallelSum, branches: list[Branch]) -> TpParallelGroup:
     """The members' branches of a parallel group, checked for the two all-reduces: every f_k is its down
     projection's output (a bias after it would be summed over ranks) read only by the group's sum."""
     attention = [branches[b.index] for b in source.attention]
     ffns = [branches[b.index] for b in source.ffns]
-    group = ParallelGroup(number, attention, ffns, source.ffn_sum)
+    group = TpParallelGroup(number, attention, source.ffn_sum)
     sums = _sum_nodes(source.ffn_sum)
     for branch, member in zip(ffns, source.ffns, strict=True):
         if branch.row.node.outputs[0] is not member.output:

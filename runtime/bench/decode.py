@@ -121,9 +121,9 @@ def bench_models(
 def model_info(target: str | Path) -> dict:
     """Block table facts of a decode graph (or of rank 0's graph of a TP folder) for the benchmark.
 
-    allreduces_per_token: one per attention sub-block (o_proj) and one per FFN sub-block (down_proj), the
-    all-reduces a tensor-parallel forward needs; fusing a group of k FFNs leaves 1 instead of k, and a
-    parallel group of k blocks needs 2 instead of 2k.
+    allreduces_per_token: passes.shard.count_allreduces, the all-reduces a tensor-parallel forward needs
+    (one per attention and per FFN sub-block; a fused group of k FFNs leaves 1 instead of k, a parallel
+    group of k blocks 2 instead of 2k).
     """
 
     path = Path(target)
@@ -146,7 +146,7 @@ def model_info(target: str | Path) -> dict:
         blocks=len(blocks),
         attention_blocks=sum(b.attention for b in blocks),
         ffn_blocks=len(blocks),
-        allreduces_per_token=sum(1 + b.attention for b in blocks) - sum(2 * (j - i) for i, j in parallel),
+        allreduces_per_token=count_allreduces(model),
         parallel_groups=[list(g) for g in parallel],
         cache_layers=len(cache) // 2,
         kv_cache_bytes_per_token=kv_bytes,
