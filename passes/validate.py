@@ -160,9 +160,13 @@ def _fused_index(plan: Plan, group: tuple[int, int]) -> int:
     return group[0] - sum(j - i for i, j in plan.groups if j < group[0])
 
 
-def default_tokens(blocks: list[Block], length: int = 16) -> np.ndarray:
-    vocab = vocab_size(blocks)
-    return np.random.default_rng(0).integers(0, vocab, size=(1, length), dtype=np.int64)
+def default_tokens(blocks: list[Block], model: Path, length: int = 16) -> np.ndarray:
+    """Seeded token ids for the checks: 1 x `length`, or the batch and sequence length `model` fixes (a
+    graph traced with one example declares them)."""
+    ids = Signature.of(model).ids
+    batch, seq = (ids.static(0), ids.static(1)) if ids is not None else (None, None)
+    shape = (batch or 1, seq or length)
+    return np.random.default_rng(0).integers(0, vocab_size(blocks), size=shape, dtype=np.int64)
 
 
 HALF_TYPES = {onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
@@ -228,7 +232,7 @@ def _run(proto: onnx.ModelProto, folder: Path, tokens: np.ndarray) -> list[np.nd
 
 
 def _check_whole_model(original, fused, proto, checks, mode, tokens, original_blocks) -> ValidationReport:
-    tokens = default_tokens(original_blocks) if tokens is None else tokens
+    tokens = default_tokens(original_blocks, original) if tokens is None else tokens
     reference_logits = _run(load_proto(original), original.parent, tokens)[0]
     names = [n for _, _, block, end in checks for n in (block.ffn_input.name, end)]
     outputs = _run(_with_outputs(proto, names), fused.parent, tokens)
@@ -314,7 +318,7 @@ def _validate_parallel_plan(
     # Both sides on float activations: int4's int8 activation rounding would blur the check (nbits.py).
     runner = BlockRunner(original, float_activations=True)
     blocks = runner.blocks
-    tokens = default_tokens(blocks) if tokens is None else tokens
+    tokens = default_tokens(blocks, original) if tokens is None else tokens
     proto = load_typed_proto(fused)
     if float_activations(proto):
         notes.append("int4 groups checked with float activations (accuracy_level 0) on both sides")

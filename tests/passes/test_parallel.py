@@ -24,8 +24,10 @@ from passes.io.sessions import open_session
 from passes.model_map import PLAN_METADATA_KEY, build_model_map, find_blocks
 from passes.pipeline import fuse_file
 from passes.plan import Plan, parse_plan, validate_plan
+from passes.shard import count_allreduces
 from passes.validate import plan_from_metadata
 from runtime.generate import DecodeModel, greedy_generate
+from tests.runtime.heal.test_graphs import fix_dims
 from tests.torch_reference import parallel_blocks_model, parallel_model
 
 SEED = 2
@@ -114,6 +116,19 @@ def test_model_map_reads_a_parallel_graph(tiny, tmp_path) -> None:
         validate_plan(parse_plan({"groups": [[2, 3]]}), list(blocks))
     with pytest.raises(UserError, match="run block-by-block analysis on the original model"):
         BlockRunner(out)
+
+
+@pytest.mark.parametrize(("batch", "seq"), [(2, 9), (None, 9)], ids=["static-batch-and-seq", "static-seq"])
+def test_a_graph_with_static_dims(tiny, tmp_path, batch, seq) -> None:
+    """A graph that fixes its batch and/or sequence length (as tracing exporters write them): validation
+    feeds tokens of those dims, and the result equals the torch formula and shards with 2 all-reduces a
+    group."""
+    static = fix_dims(tiny[0], tmp_path / "static.onnx", batch=batch, seq=seq)
+    out = tmp_path / "static.fused.onnx"
+    report = fuse_file(static, parse_plan(PLAN), out).report
+    assert report.ok and all(g.rel_error < 1e-5 for g in report.groups)
+    assert rel(ort_logits(out), torch_logits([(0, 2)], [(4, 5)])) < 1e-4
+    assert count_allreduces(out) == 5 and len(build_model_map(load_model(out)).parallel) == 1
 
 
 def test_decode_graph_generates_like_its_prefill_graph(tiny, tmp_path) -> None:
