@@ -44,10 +44,9 @@ from passes.pipeline import fuse_file
 from passes.plan import Plan, validate_plan
 from runtime.bench.latency_model import LayerShape, fuse_blocks, hardware, predict_decode
 from runtime.evaluate import QualityResult, evaluate
-from runtime.heal.calibration import calibration_windows
 from runtime.text_sets import (
     TextSet,
-    calibration_tokens,
+    calibration_windows,
     evaluation_sets,
     random_tokens,
     tokenizer_for,
@@ -113,8 +112,8 @@ def analyze_and_plan(
         )
     out.mkdir(parents=True, exist_ok=True)
     vocab = runner.vocab
-    ids, source = calibration_tokens(vocab, options.num_tokens, options.text, options.tokens)
-    tokens = windows(ids, options.window)
+    source = [options.tokens] if options.tokens else options.text
+    tokens, source = calibration_windows(vocab, source, options.num_tokens, options.window)
     say(f"calibration: {source} ({tokens.shape[0]} x {tokens.shape[1]})")
     analysis = analyze(model, tokens, runner=runner, progress=progress)
     elapsed = time.perf_counter() - start

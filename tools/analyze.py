@@ -24,8 +24,10 @@ examples:
   analyze.py model.onnx --out analysis/ --parallel-blocks --block-group 2 --parallel-count 3
   fuse_onnx.py model.onnx analysis/plan.json                then fuse with the proposed plan
 
-calibration text: --text FILE..., else /usr/share/common-licenses/Apache-2.0 when the model's tokenizer
-is known (SmolLM2), else seeded random token ids. tools/evaluate.py uses other texts by default.
+calibration text: --text FILE..., else the project's default calibration text (license prose from
+/usr/share/common-licenses and Python standard-library code; runtime/text_sets.py CALIBRATION_FILES, the
+same for heal.py and build_engines.py), with the model's tokenizer when it is known (SmolLM2), else one id
+per UTF-8 byte. tools/evaluate.py uses other texts by default.
 --parallel-blocks judges its table on those held-out texts (evaluate.py's defaults, --eval-tokens each),
 else on other seeded random ids.
 """

@@ -17,7 +17,8 @@ from pathlib import Path
 
 from exporters.tensorrt.build import Profile
 from passes.errors import run_cli
-from runtime.deploy import TOKENIZERS, Calibration, EngineRequest, build_engines
+from runtime.deploy import Calibration, EngineRequest, build_engines
+from runtime.text_sets import TOKENIZERS
 
 CALIB_HELP = """\
 calibration (--fp8):
@@ -25,9 +26,11 @@ calibration (--fp8):
   --tokenizer: 'smollm2' uses exporters.smollm2.load_tokenizer() (the SmolLM2 GGUF tokenizer); 'bytes'
   is a fallback that maps each UTF-8 byte to a token id, clipped to the model's vocabulary (fine for
   test models, crude for real ones); 'auto' (default) takes smollm2 when the model's vocabulary is
-  SmolLM2's (49152) and the package is installed, else bytes. Without --calib the English prose in
-  /usr/share/common-licenses is used. --scales FILE reuses saved scales (no calibration) when FILE
-  exists, and saves them there when it does not.
+  SmolLM2's (49152) and the package is installed, else bytes. Without --calib the default calibration
+  text of analysis and healing is used (license prose in /usr/share/common-licenses and Python
+  standard-library code: runtime/text_sets.py CALIBRATION_FILES), files sampled in turn.
+  --scales FILE reuses saved scales (no calibration) when FILE exists, and saves them there when it
+  does not.
 
 tensor parallelism:
   --tp N on one model quantizes it (calibrating the whole model), shards the FP8 graph with

@@ -23,7 +23,7 @@ examples:
 
 default texts: prose = /usr/share/common-licenses/{GPL-3, MPL-2.0, Artistic, CC0-1.0, BSD}; code = the
 Python standard library's argparse.py, textwrap.py, json/decoder.py, fractions.py. The calibration text
-of analyze.py (Apache-2.0) is not among them.
+of analyze.py, heal.py and build_engines.py (runtime/text_sets.py CALIBRATION_FILES) is not among them.
 """
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from passes.errors import UserError, run_cli
+from runtime.text_sets import load_token_file
 from runtime.tp.ort import reference_error, run_distributed, run_simulated
 from runtime.tp.trt import run_distributed_trt
 
@@ -52,15 +53,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def load_tokens(path: Path) -> np.ndarray:
-    if not path.is_file():
-        raise UserError(f"tokens file {path} does not exist")
-    tokens = np.load(path)
-    if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
-        raise UserError(f"{path}: expected integer token ids [batch, seq], got {tokens.dtype} {tokens.shape}")
-    return tokens.astype(np.int64)
-
-
 def run_one(args: argparse.Namespace, directory: Path, tokens: np.ndarray) -> np.ndarray | None:
     if args.simulate:
         return run_simulated(directory, tokens, threads=args.threads)
@@ -75,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         raise UserError(f"give one --out per folder ({len(args.dirs)} folders, {len(args.out)} outputs)")
     if args.reference is not None and len(args.reference) != len(args.dirs):
         raise UserError(f"give one --reference per folder ({len(args.dirs)} folders)")
-    tokens = load_tokens(args.tokens)
+    tokens = load_token_file(args.tokens, rows=True)
     rank = 0 if args.simulate else int(os.environ.get("RANK", "0"))
     for k, (directory, out) in enumerate(zip(args.dirs, args.out, strict=True)):
         logits = run_one(args, directory, tokens)

@@ -14,11 +14,10 @@ import numpy as np
 
 from passes.model_map import vocab_size
 from runtime.evaluate import QualityResult, evaluate, format_table
-from runtime.heal.calibration import calibration_windows
 from runtime.heal.distill import heal
 from runtime.heal.pair import load_pair
 from runtime.heal.records import DEFAULT_CONFIG, HealConfig, HealResult
-from runtime.text_sets import TextSet, evaluation_sets
+from runtime.text_sets import TextSet, calibration_windows, evaluation_sets
 
 
 @dataclass(frozen=True)

@@ -101,18 +101,22 @@ def test_windows_and_default_texts():
     assert not calibration & evaluation  # analysis and evaluation never share text
     assert all(f.is_file() for f in calibration | evaluation)
     assert text.tokenizer_for(64) is None
-    ids, source = text.calibration_tokens(64, 20)
-    assert ids.shape == (20,) and "random" in source
+    ids, source = text.calibration_windows(64, None, 40, 20)
+    # a model without a known tokenizer reads the same default text as UTF-8 bytes, every file sampled
+    assert ids.shape == (2, 20) and ids.max() <= 63 and "bytes" in source
+    assert "Apache-2.0" in source and "difflib.py" in source
+    assert ids[0, 0] == ord("\n") and not np.array_equal(ids[0], ids[1])
 
 
 @pytest.mark.slow
 def test_smollm2_tokenizer_texts():
     sets = text.evaluation_sets(text.SMOLLM2_VOCAB, 64, 128)
     assert [(s.name, s.windows.shape) for s in sets] == [("prose", (2, 64)), ("code", (2, 64))]
-    ids, source = text.calibration_tokens(text.SMOLLM2_VOCAB, 64)
-    assert ids.shape == (64,) and "Apache-2.0" in source
+    ids, source = text.calibration_windows(text.SMOLLM2_VOCAB, None, 128, 64)
+    assert ids.shape == (2, 64) and "Apache-2.0" in source and "SmolLM2" in source
     tokenizer = text.tokenizer_for(text.SMOLLM2_VOCAB)
-    assert tokenizer.decode(ids[:5].tolist()).strip().startswith("Apache")
+    assert tokenizer.decode(ids[0, :5].tolist()).strip().startswith("Apache")
+    assert "GNU" in tokenizer.decode(ids[1].tolist())  # the second window comes from the second file (GPL-2)
 
 
 def test_evaluate_tool_json(models, tmp_path):

@@ -1,4 +1,4 @@
-"""Calibration windows (runtime/heal/calibration.py): heal.py given an empty calibration text says so in
+"""Calibration windows (runtime/text_sets.py calibration_windows): heal.py given an empty calibration text says so in
 one line and writes nothing."""
 
 from __future__ import annotations
