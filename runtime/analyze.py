@@ -5,7 +5,7 @@ With `parallel_blocks` (paper section 6), whole-block parallel groups are select
 matrix (passes/analysis/parallel_groups.py), and a quality table is measured as they are added one by one:
 each variant fused by passes.pipeline.fuse_file and compared with the original on held-out text
 (runtime/evaluate.py), beside its tensor-parallel all-reduces and sequential block steps counted by the
-latency model (runtime/bench/latency_model.py).
+latency model (runtime/latency/).
 
 It lives in runtime/ because it reads calibration text (runtime/text_sets.py) and, with `heal`, measures
 healed group errors (runtime/heal, torch); the steps themselves are passes/analysis's.
@@ -42,8 +42,8 @@ from passes.io.model_io import load_model
 from passes.model_map import find_blocks
 from passes.pipeline import fuse_file
 from passes.plan import Plan, validate_plan
-from runtime.bench.latency_model import LayerShape, fuse_blocks, hardware, predict_decode
 from runtime.evaluate import QualityResult, evaluate
+from runtime.latency.predict import LayerShape, fuse_blocks, hardware, predict_decode
 from runtime.text_sets import (
     TextSet,
     calibration_windows,

@@ -9,7 +9,7 @@ import argparse
 import json
 
 from passes.errors import run_cli
-from runtime.bench.latency_model import format_report, report
+from runtime.latency.report import format_paper_report, paper_report
 
 
 def main() -> int:
@@ -20,8 +20,8 @@ def main() -> int:
     parser.add_argument("--tp", type=int, default=8, help="tensor-parallel ranks (default 8)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     args = parser.parse_args()
-    rep = report(args.gpu, batch=args.batch, context=args.context, tp=args.tp)
-    print(json.dumps(rep, indent=2) if args.json else format_report(rep))
+    rep = paper_report(args.gpu, batch=args.batch, context=args.context, tp=args.tp)
+    print(json.dumps(rep, indent=2) if args.json else format_paper_report(rep))
     return 0
 
 

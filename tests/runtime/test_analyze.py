@@ -10,7 +10,7 @@ import numpy as np
 from exporters.synthetic import SyntheticSpec, build_synthetic
 from passes.plan import Plan
 from runtime.analyze import AnalyzeOptions, analyze_and_plan, tp_counts
-from runtime.bench.latency_model import LayerShape
+from runtime.latency.predict import LayerShape
 
 
 def test_analyze_and_plan_writes_what_it_returns(tmp_path):

@@ -1,10 +1,10 @@
-"""Every constant of the analytical decode latency model (runtime/bench/latency_model.py), with its source.
+"""Every constant of the analytical decode latency model (runtime/latency/), with its source.
 
 Kinds of source: "datasheet" (vendor spec sheet), "paper" (arXiv 2503.18908, FFN Fusion), "measured"
 (someone else's published measurement, not of anything this model predicts), "assumption" (a modelling
-choice, stated as such), "calibrated" (fit by runtime.bench.latency_model.calibrate() on the named paper
+choice, stated as such), "calibrated" (fit by runtime.latency.fit.fit_overheads() on the named paper
 numbers;
-tests/runtime/bench/test_latency_model.py re-fits them and fails when the stored values go stale).
+tests/runtime/latency/test_latency_model.py re-fits them and fails when the stored values go stale).
 
 A .py module rather than JSON so that it ships with the package without package-data configuration.
 """
@@ -126,7 +126,7 @@ CONSTANTS: dict[str, Constant] = {
         "assumption: the context length of the paper's latency runs was not taken from the paper; 1024 "
         "used (refitting at 8192 moves the fused 253B prediction by 0.4%)",
     ),
-    # --- Calibrated (runtime.bench.latency_model.calibrate(); do not edit by hand)
+    # --- Calibrated (runtime.latency.fit.fit_overheads(); do not edit by hand)
     # ------------------------------
     "calibrated.bw_efficiency": Constant(
         0.7572704840,

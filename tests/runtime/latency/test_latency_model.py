@@ -12,22 +12,17 @@ import numpy as np
 import pytest
 
 from passes.errors import UserError
-from runtime.bench.latency_constants import CONSTANTS
-from runtime.bench.latency_model import (
+from runtime.latency.constants import CONSTANTS
+from runtime.latency.fit import fit_overheads, speedup_bound
+from runtime.latency.paper_models import llama_405b, param_count, predict_model, super_49b, ultra_253b
+from runtime.latency.predict import (
     LayerShape,
     ParallelGroup,
     allreduce_s,
-    calibrate,
     fuse_blocks,
     gemm_s,
     hardware,
-    llama_405b,
-    param_count,
     predict_decode,
-    predict_model,
-    speedup_bound,
-    super_49b,
-    ultra_253b,
 )
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -42,7 +37,7 @@ def test_calibration_targets_are_met():
 
 
 def test_stored_calibration_matches_a_refit():
-    fit = calibrate("h100")
+    fit = fit_overheads("h100")
     assert 0.3 < fit.bw_efficiency <= 1.0
     assert fit.layer_overhead >= 0.0
     assert CONSTANTS["calibrated.bw_efficiency"].value == pytest.approx(fit.bw_efficiency, rel=1e-6)
