@@ -27,8 +27,8 @@ import httpx
 from passes.errors import UserError
 from runtime.evaluate import evaluate
 from runtime.lm_tasks import LICENSE_TASK, license_task
+from runtime.ports import free_port
 from runtime.text_sets import EVALUATION_FILES, TextSet, read_texts, tokenize, windows
-from runtime.tp.gloo import free_port
 
 # tools/serve.py is started as a program (as a user starts it), not imported
 SERVE = Path(__file__).resolve().parents[1] / "tools" / "serve.py"

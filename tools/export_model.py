@@ -113,22 +113,28 @@ def main(argv: list[str] | None = None) -> int:
     return export_graph(args, blocks, model_spec)
 
 
+def print_written(result, how: str, details: dict[str, str]) -> None:
+    """What an export wrote (files, size, `how`), then one indented line per detail."""
+    print(f"wrote {' + '.join(str(f) for f in result.files)} ({result.bytes / 2**20:.1f} MiB, {how})")
+    for key, value in details.items():
+        print(f"  {key}: {value}")
+
+
 def export_hf_folder(args: argparse.Namespace) -> int:
     result = hf_checkpoint.export_hf(args.hf, args.output, dtype=args.dtype, opset=args.opset,
                                      decode=args.decode,
                                      log=lambda message: print(message, file=sys.stderr, flush=True))
     config = result.config
-    files = " + ".join(str(f) for f in result.files)
-    print(f"wrote {files} ({result.bytes / 2**20:.1f} MiB, {result.dtype}, opset {result.opset}, "
-          f"{result.seconds:.1f} s)")
-    print(f"  beside it: {', '.join(p.name for p in result.side_files)}")
-    print(f"  model: {config.architecture} ({config.model_type}) from {args.hf}")
-    print(f"  blocks: {len(config.layers)}, with attention: {sum(config.attention_flags)}")
-    print(f"  attention-free runs: {format_runs(attention_free_runs(config.attention_flags))}")
-    if args.decode:
-        print(f"  decode graph: {hf_checkpoint.describe_caches(result)}")
-    print(f"  parameters: {result.parameters:,}")
-    print(f"  time: graph {result.trace_seconds:.1f} s, weights {result.write_seconds:.1f} s")
+    details = {
+        "beside it": ", ".join(p.name for p in result.side_files),
+        "model": f"{config.architecture} ({config.model_type}) from {args.hf}",
+        "blocks": f"{len(config.layers)}, with attention: {sum(config.attention_flags)}",
+        "attention-free runs": format_runs(attention_free_runs(config.attention_flags)),
+        **({"decode graph": hf_checkpoint.describe_caches(result)} if args.decode else {}),
+        "parameters": f"{result.parameters:,}",
+        "time": f"graph {result.trace_seconds:.1f} s, weights {result.write_seconds:.1f} s",
+    }
+    print_written(result, f"{result.dtype}, opset {result.opset}, {result.seconds:.1f} s", details)
     return 0
 
 
@@ -143,12 +149,13 @@ def export_graph(args: argparse.Namespace, blocks: list[int], model_spec: ModelS
     else:
         result = onnx_export.export_spec_model(model_spec, args.output, seed=args.seed, opset=args.opset)
         name = f"spec {args.spec}" if args.spec else f"Super-49B pattern, hidden {args.hidden}"
-    files = " + ".join(str(f) for f in result.files)
-    print(f"wrote {files} ({result.bytes / 2**20:.1f} MiB, opset {result.opset}, {result.seconds:.1f} s)")
-    print(f"  model: {name}")
-    print(f"  blocks: {len(result.attention)}, with attention: {sum(result.attention)}")
-    print(f"  attention-free runs: {format_runs(result.attention_free_runs)}")
-    print(f"  parameters: {result.parameters:,}")
+    details = {
+        "model": name,
+        "blocks": f"{len(result.attention)}, with attention: {sum(result.attention)}",
+        "attention-free runs": format_runs(result.attention_free_runs),
+        "parameters": f"{result.parameters:,}",
+    }
+    print_written(result, f"opset {result.opset}, {result.seconds:.1f} s", details)
     return 0
 
 
@@ -161,11 +168,13 @@ def export_decode_graph(args: argparse.Namespace, blocks: list[int], model_spec:
         result = decode.export_smollm2_decode(args.output, blocks, opset=args.opset)
     else:
         result = decode.export_spec_decode(model_spec, args.output, seed=args.seed, opset=args.opset)
-    files = " + ".join(str(f) for f in result.files)
-    print(f"wrote {files} ({result.bytes / 2**20:.1f} MiB, {result.seconds:.1f} s)")
     cached = set(result.cache_layers)
     runs = attention_free_runs([i not in cached for i in range(max(cached, default=-1) + 1)])
-    print(f"  KV cache for {len(cached)} attention blocks: {format_runs(runs)}")
+    print_written(
+        result,
+        f"{result.seconds:.1f} s",
+        {f"KV cache for {len(cached)} attention blocks": format_runs(runs)},
+    )
     return 0
 
 

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 from passes.errors import UserError, run_cli
 from runtime.generate import DecodeModel, generate_text
+from runtime.tp.gloo import torchrun_group
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -38,30 +39,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not args.model.exists():
         raise UserError(f"model {args.model} does not exist")
-    rank, world = 0, 1
-    if args.tp_mode == "gloo" and args.model.is_dir():
-        import torch.distributed as dist
-
-        if "RANK" not in os.environ:
-            raise UserError(
-                "--tp-mode gloo runs under torchrun: torchrun --nproc-per-node N tools/generate.py ..."
-            )
-        dist.init_process_group("gloo")
-        rank, world = dist.get_rank(), dist.get_world_size()
-    model = DecodeModel.open(
-        args.model, device=args.device, threads=args.threads, tp_mode=args.tp_mode, rank=rank, world=world
-    )
-    prompts = args.prompt[0] if len(args.prompt) == 1 else args.prompt
-    text, stats = generate_text(args.model, prompts, args.max_new_tokens, chat=not args.raw, model=model)
-    if rank == 0:
-        for item in [text] if isinstance(text, str) else text:
-            print(item)
-        if args.stats:
-            print(json.dumps(stats.to_dict()), file=sys.stderr)
-    if world > 1:
-        import torch.distributed as dist
-
-        dist.destroy_process_group()
+    gloo = args.tp_mode == "gloo" and args.model.is_dir()
+    hint = "torchrun --nproc-per-node N tools/generate.py ... --tp-mode gloo"
+    group = torchrun_group(hint) if gloo else nullcontext((0, 1))
+    with group as (rank, world):
+        model = DecodeModel.open(
+            args.model, device=args.device, threads=args.threads, tp_mode=args.tp_mode, rank=rank, world=world
+        )
+        prompts = args.prompt[0] if len(args.prompt) == 1 else args.prompt
+        text, stats = generate_text(args.model, prompts, args.max_new_tokens, chat=not args.raw, model=model)
+        if rank == 0:
+            for item in [text] if isinstance(text, str) else text:
+                print(item)
+            if args.stats:
+                print(json.dumps(stats.to_dict()), file=sys.stderr)
     return 0
 
 

@@ -16,15 +16,18 @@ engines default to DIR/rank{r}/model.engine, or --engines 'engines/rank{rank}.en
 from __future__ import annotations
 
 import argparse
-import os
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
 
 from passes.errors import UserError, run_cli
 from runtime.text_sets import load_token_file
+from runtime.tp.gloo import torchrun_group
 from runtime.tp.ort import reference_error, run_distributed, run_simulated
 from runtime.tp.trt import run_distributed_trt
+
+HINT = "torchrun --nproc-per-node N tools/run_tp.py DIR ... (or --simulate)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,21 +71,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.reference is not None and len(args.reference) != len(args.dirs):
         raise UserError(f"give one --reference per folder ({len(args.dirs)} folders)")
     tokens = load_token_file(args.tokens, rows=True)
-    rank = 0 if args.simulate else int(os.environ.get("RANK", "0"))
-    for k, (directory, out) in enumerate(zip(args.dirs, args.out, strict=True)):
-        logits = run_one(args, directory, tokens)
-        if rank == 0 and logits is not None:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            np.save(out, logits.astype(np.float32))
-            print(f"rank 0: {directory}: logits {list(logits.shape)} -> {out}")
-            if args.reference is not None:
-                error = reference_error(args.reference[k], tokens, logits)
-                print(f"relative error vs {args.reference[k]}: {error:.3e}")
-    if not args.simulate:
-        import torch.distributed as dist  # deferred: torch takes seconds to import
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    with nullcontext((0, 1)) if args.simulate else torchrun_group(HINT) as (rank, _):
+        for k, (directory, out) in enumerate(zip(args.dirs, args.out, strict=True)):
+            logits = run_one(args, directory, tokens)
+            if rank == 0 and logits is not None:
+                out.parent.mkdir(parents=True, exist_ok=True)
+                np.save(out, logits.astype(np.float32))
+                print(f"rank 0: {directory}: logits {list(logits.shape)} -> {out}")
+                if args.reference is not None:
+                    error = reference_error(args.reference[k], tokens, logits)
+                    print(f"relative error vs {args.reference[k]}: {error:.3e}")
     return 0
 
 

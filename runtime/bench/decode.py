@@ -31,7 +31,8 @@ from passes.model_map import find_blocks
 from passes.shard import count_allreduces, rank_onnx_files, read_manifest, shard_file
 from runtime.backends import TpRankBackend
 from runtime.generate import DecodeModel, GenerationStats, greedy_generate
-from runtime.tp.gloo import free_port, init_gloo
+from runtime.ports import free_port
+from runtime.tp.gloo import init_gloo
 
 FORMAT = "ffn-fusion-bench/1"
 

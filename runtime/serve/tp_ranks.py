@@ -36,8 +36,9 @@ from passes.errors import UserError
 from passes.shard import rank_onnx_files
 from runtime.backends import TpRankBackend
 from runtime.generate import DecodeModel
+from runtime.ports import free_port
 from runtime.serve.batch import Prefilled, Scored, runner_for
-from runtime.tp.gloo import free_port, init_gloo
+from runtime.tp.gloo import init_gloo
 
 ERROR_GRACE_S = 5.0  # after one rank reports an error, how long the others may take to answer
 STOP_WAIT_S = 10.0

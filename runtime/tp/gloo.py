@@ -1,18 +1,15 @@
 """Joining a torch.distributed process group on this host: the CPU rank processes (gloo) of the
-tensor-parallel benchmark and of the server's TP ranks, or NCCL on GPUs."""
+tensor-parallel benchmark and of the server's TP ranks, or NCCL on GPUs; and the group of a torchrun
+launch (tools/run_tp.py, tools/generate.py)."""
 
 from __future__ import annotations
 
 import os
-import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now (for a process group's rendezvous)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from passes.errors import UserError
 
 
 def init_gloo(
@@ -25,3 +22,21 @@ def init_gloo(
     os.environ["MASTER_PORT"] = str(port)
     timeout = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
     dist.init_process_group(backend, rank=rank, world_size=world, **timeout)
+
+
+@contextmanager
+def torchrun_group(hint: str = "launch it with torchrun --nproc-per-node N") -> Iterator[tuple[int, int]]:
+    """The gloo group of this torchrun launch, joined (unless already) and left on exit: (rank, world).
+    Outside torchrun (RANK unset) a UserError ending in `hint`."""
+    import torch.distributed as dist  # torch only in the processes that join a group
+
+    joined = not dist.is_initialized()
+    if joined:
+        if "RANK" not in os.environ:
+            raise UserError(f"not running under torchrun (RANK/WORLD_SIZE are not set): {hint}")
+        dist.init_process_group("gloo")
+    try:
+        yield dist.get_rank(), dist.get_world_size()
+    finally:
+        if joined:
+            dist.destroy_process_group()

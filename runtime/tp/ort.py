@@ -11,7 +11,6 @@ file), run by ONNX Runtime. Between segments the collective runs outside ORT: th
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -337,14 +336,13 @@ def torch_collective(world_size: int, device: str | None = None) -> CollectiveFn
     return run
 
 
-def join_torchrun(directory: str | Path, tp: int) -> tuple[int, int]:
-    """Join the torchrun launch's gloo process group; (rank, world size), checked against the folder."""
+def torchrun_rank(directory: str | Path, tp: int) -> tuple[int, int]:
+    """(rank, world size) in the process group the caller joined (runtime.tp.gloo.torchrun_group),
+    checked against the folder's rank count."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            raise UserError("run under torchrun (RANK/WORLD_SIZE are not set)")
-        dist.init_process_group("gloo")
+        raise UserError("no process group: join the torchrun launch first (runtime.tp.gloo.torchrun_group)")
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != tp:
         raise UserError(f"{directory} holds {tp} ranks; launch with --nproc-per-node {tp}")
@@ -352,12 +350,13 @@ def join_torchrun(directory: str | Path, tp: int) -> tuple[int, int]:
 
 
 def run_distributed(directory: str | Path, tokens: np.ndarray, threads: int = 1) -> np.ndarray | None:
-    """This process's rank of a torchrun launch (gloo); returns the logits on rank 0, None elsewhere."""
+    """This process's rank of a torchrun launch (gloo, joined by the caller); the logits on rank 0, None
+    elsewhere."""
     import torch.distributed as dist
 
     manifest = read_manifest(directory)
     files = rank_onnx_files(directory)
-    rank, world = join_torchrun(directory, manifest["tp"])
+    rank, world = torchrun_rank(directory, manifest["tp"])
     program = RankProgram(files[rank], threads)
     outputs = program.run(_feeds(program, tokens), torch_collective(world))
     dist.barrier()

@@ -30,7 +30,7 @@ import numpy as np
 
 from passes.errors import UserError
 from passes.shard import rank_onnx_files, read_manifest
-from runtime.tp.ort import join_torchrun
+from runtime.tp.ort import torchrun_rank
 
 DEFAULT_ENGINE_NAME = "model.engine"
 
@@ -183,7 +183,7 @@ def run_distributed_trt(
 
     manifest = read_manifest(directory)
     engines = engine_paths(directory, engine_pattern)
-    rank, world = join_torchrun(directory, manifest["tp"])
+    rank, world = torchrun_rank(directory, manifest["tp"])
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     engine = TrtRank(engines[rank])
     engine.attach(nccl_communicator(rank, world))

@@ -61,4 +61,4 @@ def test_analyze_tool_end_to_end(tool, model, tmp_path):
 def test_analyze_tool_user_errors(tool, model, tmp_path):
     run = tool("analyze", model, "--out", tmp_path, "--text", "/nonexistent.txt")
     assert run.returncode == 2
-    assert run.stderr.strip().startswith("error:") and "vocabulary of 64" in run.stderr
+    assert run.stderr.strip() == "error: text file /nonexistent.txt does not exist"

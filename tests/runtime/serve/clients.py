@@ -11,8 +11,8 @@ from pathlib import Path
 import httpx
 import openai
 
+from runtime.ports import free_port
 from runtime.serve.server import ServerThread
-from runtime.tp.gloo import free_port
 
 ROOT = Path(__file__).resolve().parents[3]
 

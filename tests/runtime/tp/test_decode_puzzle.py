@@ -16,7 +16,8 @@ from passes.metrics import max_abs_relative_error
 from passes.shard import rank_onnx_files
 from runtime.backends import Backend, OrtBackend, TpRankBackend
 from runtime.generate import DecodeModel, greedy_generate
-from runtime.tp.gloo import free_port, init_gloo
+from runtime.ports import free_port
+from runtime.tp.gloo import init_gloo
 from tests.exporters.hf_fixtures import PUZZLE_CACHE_HEADS, puzzle_models
 
 TOLERANCE = 1e-5

@@ -17,7 +17,8 @@ from passes.graph_inputs import Signature
 from passes.metrics import max_abs_relative_error
 from passes.shard import count_allreduces, rank_onnx_files, shard_file
 from runtime.backends import OrtBackend, TpRankBackend
-from runtime.tp.gloo import free_port, init_gloo
+from runtime.ports import free_port
+from runtime.tp.gloo import init_gloo
 from runtime.tp.ort import RankProgram, torch_collective
 from tests.passes.shard.test_parallel_groups import ALLREDUCES, TOLERANCE, parallel_models
 from tests.passes.test_parallel import IDS, ort_logits
