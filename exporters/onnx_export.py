@@ -60,7 +60,7 @@ def _logits_only(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
 
 def _is_hf_model(module: torch.nn.Module) -> bool:
     try:
-        from transformers import PreTrainedModel
+        from transformers import PreTrainedModel  # optional here: hand-written models need no transformers
     except ImportError:
         return False
     return isinstance(module, PreTrainedModel)

@@ -41,7 +41,7 @@ def gguf_folder() -> Path:
 @functools.cache
 def _load_cached() -> torch.nn.Module:
     """The model as read from the GGUF, once per process (dequantizing takes seconds); never handed out."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # transformers takes seconds: only when SmolLM2 is read
     from transformers.utils import logging
 
     logging.disable_progress_bar()  # the GGUF de-quantization bars; the tools print their own progress
@@ -57,7 +57,7 @@ def load_torch_model() -> torch.nn.Module:
 @functools.cache
 def load_tokenizer() -> Any:
     """The SmolLM2 tokenizer (cached per process)."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # as in _load_cached
 
     return AutoTokenizer.from_pretrained(gguf_folder(), gguf_file=GGUF_FILE)
 

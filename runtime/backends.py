@@ -26,8 +26,11 @@ from typing import Any, Protocol
 import numpy as np
 import onnx
 
+from exporters.tensorrt import shim as trt_shim
 from passes.errors import UserError
 from passes.io.sessions import open_session, providers_for
+from passes.shard import rank_onnx_files
+from runtime.tp.ort import RankProgram, torch_collective
 
 ORT_DTYPES = {
     "tensor(float)": np.float32,
@@ -96,8 +99,6 @@ class TrtBackend:
     """
 
     def __init__(self, engine_path: str | Path) -> None:
-        from exporters.tensorrt import shim as trt_shim
-
         opened = trt_shim.open_engine(engine_path)
         self.trt, self.runtime = opened.trt, opened.runtime  # the runtime must outlive the engine
         self.engine, self.context = opened.engine, opened.context
@@ -113,7 +114,7 @@ class TrtBackend:
         return np.dtype(self.trt.module.nptype(self.engine.get_tensor_dtype(name))).type
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        import torch
+        import torch  # torch takes seconds to import: only the TensorRT backend (CUDA buffers) needs it
 
         stream = torch.cuda.current_stream()
         keep = []
@@ -210,9 +211,6 @@ class TpThreadsBackend:
     """
 
     def __init__(self, directory: str | Path, threads_per_rank: int = 1) -> None:
-        from passes.shard import rank_onnx_files
-        from runtime.tp.ort import RankProgram
-
         self.directory = Path(directory)
         files = rank_onnx_files(self.directory)
         self.programs = [RankProgram(f, threads_per_rank) for f in files]
@@ -282,9 +280,6 @@ class TpRankBackend:
     def __init__(
         self, directory: str | Path, rank: int, world: int, threads: int = 1, device: str = "cpu"
     ) -> None:
-        from passes.shard import rank_onnx_files
-        from runtime.tp.ort import RankProgram, torch_collective
-
         files = rank_onnx_files(directory)
         if len(files) != world:
             raise UserError(f"{directory} holds {len(files)} ranks; the launch has {world}")

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import onnx
 
 from exporters.tensorrt import shim as trt_shim
 from exporters.tensorrt.build import EngineBuild, Profile, build_engine, parse_onnx
@@ -129,7 +130,6 @@ def check(request: EngineRequest, engine: Path, model: Path, log: Callable[[str]
 def check_fp8_source(trt: trt_shim.Trt, model: Path, log: Callable[[str], None]) -> None:
     """Refuse what FP8 cannot quantize or TensorRT cannot parse before calibrating: int4 MatMulNBits
     weights (GenAI int4 exports), and ops TensorRT has no importer for (e.g. GroupQueryAttention)."""
-    import onnx
 
     ops = {node.op_type for node in onnx.load(str(model), load_external_data=False).graph.node}
     if "MatMulNBits" in ops:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx_ir as ir
+from tqdm import tqdm
 
 from passes.errors import UserError
 from passes.graph import graph_values
@@ -154,7 +155,6 @@ def calibrate(
     they are (external data is read from the model's folder). `percentile` (e.g. 99.99) clips the
     amax to that percentile of |x| over all calibration tokens and channels.
     """
-    from tqdm import tqdm
 
     if percentile is not None and not 0 < percentile <= 100:
         raise UserError(f"percentile must be in (0, 100], got {percentile}")

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import onnx_ir as ir
+from tqdm import tqdm
 
 from passes.errors import UserError
 from passes.io.model_io import (
@@ -184,10 +185,6 @@ def shard_model(model_path: str | Path, tp: int, out_dir: str | Path, **kwargs) 
 
 def _progress(total: int, enabled: bool) -> Callable[[int], None]:
     if not enabled:
-        return lambda rank: None
-    try:
-        from tqdm import tqdm
-    except ImportError:
         return lambda rank: None
     bar = tqdm(total=total, desc="sharding", unit="rank", file=sys.stderr, leave=False)
 

@@ -23,6 +23,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+import onnxruntime
+from tqdm import tqdm
 
 from passes.errors import UserError
 from passes.graph_inputs import Signature
@@ -91,7 +93,6 @@ def bench_models(
     """Time every model on every case, the models ALTERNATING within each repetition (ABBA order), so that
     machine noise hits all of them alike. Prompts are seeded random tokens; no eos, so every run
     generates exactly gen_len tokens."""
-    from tqdm import tqdm
 
     names = list(models)
     total = len(cases) * (reps + warmup) * len(names)
@@ -168,7 +169,7 @@ def _gloo_bench_worker(
     threads: int,
     out: str,
 ) -> None:
-    import torch.distributed as dist
+    import torch.distributed as dist  # torch only in the rank processes of the TP benchmark
 
     init_gloo(rank, world, port)
     try:
@@ -192,7 +193,7 @@ def bench_tp_gloo(
 ) -> list[BenchResult]:
     """`bench_models` with every rank in its own process (torch.multiprocessing, gloo all-reduces);
     rank 0's timings are returned. The models still alternate: each rank holds all of them."""
-    import torch.multiprocessing as mp
+    import torch.multiprocessing as mp  # as in _gloo_bench_worker
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "results.json"
@@ -237,7 +238,6 @@ def measure(settings: BenchSettings, targets: dict[str, Path], vocab: int) -> li
 
 
 def machine() -> dict:
-    import onnxruntime
 
     cpu = platform.processor() or platform.machine()
     try:

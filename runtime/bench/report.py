@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 COLORS = {"original": "#7f8c8d", "fused": "#2e86de", "parallel": "#e67e22"}
 
 
@@ -59,11 +61,10 @@ def markdown(data: dict) -> str:
 
 
 def plot(data: dict, path: Path) -> None:
-    import matplotlib
+    import matplotlib  # matplotlib takes a second to import: only when a picture is drawn
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
     results = data["results"]
     cases = list(dict.fromkeys((r["batch"], r["prompt_len"]) for r in results))

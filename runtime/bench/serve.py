@@ -116,7 +116,7 @@ async def _one(client, model: str, prompt: str, max_tokens: int) -> RequestResul
 
 
 async def _wave(target: Target, concurrency: int, texts: Sequence[str], max_tokens: int):
-    from openai import AsyncOpenAI
+    from openai import AsyncOpenAI  # the client side of the benchmark: the test extras
 
     client = AsyncOpenAI(base_url=target.api, api_key="none", max_retries=0, timeout=600)
     queue = list(texts)
@@ -166,7 +166,7 @@ def summarize(label: str, concurrency: int, results: list[RequestResult], wall: 
 
 def discover(target: Target) -> Target:
     """The target with its model id (the first of GET /v1/models) when none was given."""
-    import httpx
+    import httpx  # as in _wave
 
     try:
         response = httpx.get(target.api + "/models", timeout=30)
@@ -302,7 +302,7 @@ def markdown(data: dict) -> str:
 
 
 def plot(data: dict, path: Path) -> None:
-    import matplotlib
+    import matplotlib  # a second to import: only when a picture is drawn
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import onnx
 
 from exporters.spec import BlockSpec, ModelSpec, super49b_spec
 from passes.io.model_io import load_model, save_model
@@ -69,7 +70,6 @@ def _single_device(model: Path, ids: np.ndarray) -> np.ndarray:
 
 def _rank_bytes(files: list[Path]) -> float:
     """Weight bytes of the largest rank (initializers, inline or external), MiB."""
-    import onnx
 
     sizes = []
     for f in files:

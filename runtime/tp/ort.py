@@ -11,6 +11,7 @@ file), run by ONNX Runtime. Between segments the collective runs outside ORT: th
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -174,7 +175,6 @@ def _segment_model(
 
 def _toposorted(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
     """Nodes in dependency order, file order among ready nodes (other tools append collectives last)."""
-    import heapq
 
     nodes = list(graph.node)
     producer = {o: k for k, n in enumerate(nodes) for o in n.output if o}
@@ -313,7 +313,7 @@ def run_simulated(
 def torch_collective(world_size: int, device: str | None = None) -> CollectiveFn:
     """Collectives through torch.distributed (the process group must be initialized); `device` "cuda"
     moves each tensor to this process's GPU first (NCCL reduces CUDA tensors only)."""
-    import torch
+    import torch  # torch only in the processes that join a group (the single-process paths never do)
     import torch.distributed as dist
 
     def run(collective: Collective, array: np.ndarray) -> np.ndarray:
@@ -339,7 +339,7 @@ def torch_collective(world_size: int, device: str | None = None) -> CollectiveFn
 def torchrun_rank(directory: str | Path, tp: int) -> tuple[int, int]:
     """(rank, world size) in the process group the caller joined (runtime.tp.gloo.torchrun_group),
     checked against the folder's rank count."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # as in torch_collective
 
     if not dist.is_initialized():
         raise UserError("no process group: join the torchrun launch first (runtime.tp.gloo.torchrun_group)")
@@ -352,7 +352,7 @@ def torchrun_rank(directory: str | Path, tp: int) -> tuple[int, int]:
 def run_distributed(directory: str | Path, tokens: np.ndarray, threads: int = 1) -> np.ndarray | None:
     """This process's rank of a torchrun launch (gloo, joined by the caller); the logits on rank 0, None
     elsewhere."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # as in torch_collective
 
     manifest = read_manifest(directory)
     files = rank_onnx_files(directory)

@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from exporters.tensorrt import shim as trt_shim
+from exporters.tensorrt.build import Profile, build_engine, parse_onnx
 from passes.errors import UserError
 from passes.shard import rank_onnx_files, read_manifest
 from runtime.tp.ort import torchrun_rank
@@ -60,9 +62,6 @@ class RankBuild:
 
 def count_collective_layers(onnx_path: str | Path) -> int:
     """How many DistCollective layers TensorRT's ONNX parser makes of a rank graph."""
-    from exporters.tensorrt import shim as trt_shim
-    from exporters.tensorrt.build import parse_onnx
-
     trt = trt_shim.load()
     logger = trt.logger()
     builder = trt.module.Builder(logger.handle)
@@ -80,8 +79,6 @@ def build_rank_engines(
     engine_pattern: str | None = None,
 ) -> list[RankBuild]:
     """Build one engine per rank graph (TensorRT-RTX here: ahead of time for sm89)."""
-    from exporters.tensorrt.build import Profile, build_engine
-
     profile = Profile.batch_seq(batch, seq)
     builds = []
     for rank, (onnx_path, engine) in enumerate(
@@ -117,7 +114,7 @@ def communicator_capsule(comm: Any) -> Any:
 
 def nccl_communicator(rank: int, world: int) -> Any:
     """nccl4py communicator over all ranks; the unique id travels from rank 0 via torch.distributed."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # torch and nccl4py: GPU ranks only, loaded when they run
 
     try:
         import nccl.core as nccl
@@ -132,8 +129,6 @@ class TrtRank:
     """One rank's engine and execution context on this process's GPU."""
 
     def __init__(self, engine_path: str | Path) -> None:
-        from exporters.tensorrt import shim as trt_shim
-
         opened = trt_shim.open_engine(engine_path, hint="; build it with tools/build_engines.py")
         self.trt, self.runtime = opened.trt, opened.runtime  # the runtime must outlive the engine
         self.engine, self.context = opened.engine, opened.context
@@ -148,7 +143,7 @@ class TrtRank:
 
     def run(self, tokens: np.ndarray) -> dict[str, Any]:
         """Enqueue one forward on this rank's stream and wait for it; torch CUDA tensors out."""
-        import torch
+        import torch  # torch takes seconds to import: only GPU ranks need it
 
         if len(self.inputs) != 1:
             raise UserError(f"expected one engine input (input_ids), found {self.inputs}")
@@ -169,7 +164,7 @@ class TrtRank:
 
 
 def _torch_dtype(np_dtype: Any) -> Any:
-    import torch
+    import torch  # as in TrtRank.run
 
     return torch.from_numpy(np.zeros(1, dtype=np_dtype)).dtype
 
@@ -178,7 +173,7 @@ def run_distributed_trt(
     directory: str | Path, tokens: np.ndarray, engine_pattern: str | None = None, warmup: int = 0
 ) -> np.ndarray | None:
     """This process's rank of a torchrun launch on GPUs; returns float32 logits on rank 0."""
-    import torch
+    import torch  # as in TrtRank.run
     import torch.distributed as dist
 
     manifest = read_manifest(directory)

@@ -217,16 +217,18 @@ def test_tp2_decode_graph_equals_single_device(models, tmp_path):
 def test_tensorrt_builds_decode_engine_with_empty_cache_profile(models, tmp_path):
     """TensorRT's ONNX parser and builder accept the fused decode graph, past_len from 0 (TensorRT-RTX here,
     ahead of time for sm89; the engine runs through runtime.backends.TrtBackend on a GPU)."""
-    from exporters.decode import build_decode_engine, engine_profile
     from exporters.tensorrt import shim as trt_shim
+    from exporters.tensorrt.build import DimRanges, build_engine, input_profiles
     from passes.errors import UserError
 
     try:
         trt_shim.load()
     except UserError:
         pytest.skip("no TensorRT installed")
-    profile = engine_profile(models("decode_fused"), max_batch=2, max_total=64)
+    ranges = DimRanges.decode(max_batch=2, max_total=64)
+    profiles = input_profiles(models("decode_fused"), ranges)
+    profile = {name: (p.min, p.opt, p.max) for name, p in profiles.items()}
     assert profile["past_key_4"] == ((1, 2, 0, 16), (1, 2, 63, 16), (2, 2, 63, 16))
     assert profile["attention_mask"] == ((1, 1), (1, 64), (2, 64))
-    size = build_decode_engine(models("decode_fused"), tmp_path / "decode.engine", max_batch=2, max_total=64)
-    assert size > 0 and (tmp_path / "decode.engine").stat().st_size == size
+    built = build_engine(models("decode_fused"), tmp_path / "decode.engine", profile=ranges)
+    assert built.plan_bytes > 0 and (tmp_path / "decode.engine").stat().st_size == built.plan_bytes

@@ -1,0 +1,133 @@
+"""Streaming benchmark of the checkpoint writer (tools/bench_export_checkpoint.py): time and peak memory of
+tools/export_checkpoint.py against a plain copy of the same weights.
+
+Setup (untimed): runtime.bench.export's random Nemotron-NAS checkpoint (bf16 shards, attention on even
+layers), exported by export_model.py --hf (bf16) and fused with every pair [2k, 2k + 1] of the first
+`groups` pairs (an attention layer and the attention-free layer after it), without validation. Then, for
+`rounds` rounds, each step in a fresh child process whose own peak RSS is read (runtime.bench.peak_memory),
+with `sync` before each so that none pays for the writeback of the one before:
+  - copy: the fused graph's data file copied (the bytes the checkpoint holds, the I/O floor),
+  - export: tools/export_checkpoint.py of the fused graph (bf16 kept: one kernel copy per tensor).
+Bounds (issue 36): time at most 1.2x the copy's, peak RSS at most 256 MB, whatever the model size.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from runtime.bench.export import _BUILD, _children_cpu
+from runtime.bench.peak_memory import measure, timed_copy
+
+ROOT = Path(__file__).resolve().parents[2]
+MB = 1 << 20
+PEAK_BOUND = 256 * MB
+TIME_BOUND = 1.2
+
+_PREPARE = """
+import sys
+from pathlib import Path
+from exporters.hf.checkpoint import export_hf
+from passes.pipeline import fuse_file
+from passes.plan import parse_plan
+checkpoint, work, groups = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+export_hf(checkpoint, work / "onnx" / "model.onnx")
+plan = parse_plan({"groups": [[2 * k, 2 * k + 1] for k in range(groups)], "norm": "last"})
+fuse_file(work / "onnx" / "model.onnx", plan, work / "fused" / "model.onnx", validate_output=False)
+"""
+
+
+@dataclass
+class Step:
+    name: str
+    round: int
+    seconds: float
+    cpu_seconds: float
+    peak_bytes: int
+    output_bytes: int
+
+
+@dataclass
+class CheckpointBench:
+    data_bytes: int
+    layers: int
+    hidden: int
+    groups: int
+    steps: list[Step]
+
+    def ratios(self) -> list[float]:
+        copies = {s.round: s.seconds for s in self.steps if s.name == "copy"}
+        return [s.seconds / copies[s.round] for s in self.steps if s.name == "export"]
+
+    def as_json(self) -> str:
+        return json.dumps({**asdict(self), "ratios": self.ratios()}, indent=1)
+
+    def table(self) -> str:
+        lines = [
+            f"fused graph: {self.data_bytes / 2**30:.2f} GiB of weights, hidden {self.hidden}, {self.layers} "
+            f"layers, {self.groups} fused pairs",
+            f"{'step':<8}{'round':>6}{'seconds':>9}{'x copy':>8}{'CPU s':>7}{'peak MiB':>10}  bounds",
+        ]
+        copies = {s.round: s.seconds for s in self.steps if s.name == "copy"}
+        for s in self.steps:
+            ratio = s.seconds / copies[s.round]
+            ok = ""
+            if s.name == "export":
+                ok = "ok" if ratio <= TIME_BOUND and s.peak_bytes <= PEAK_BOUND else "OVER"
+            lines.append(
+                f"{s.name:<8}{s.round:>6}{s.seconds:>9.2f}{ratio:>8.2f}{s.cpu_seconds:>7.1f}"
+                f"{s.peak_bytes / MB:>10.0f}  {ok}"
+            )
+        lines.append(f"median x copy: {statistics.median(self.ratios()):.2f}")
+        return "\n".join(lines)
+
+
+def bench(
+    work: Path,
+    hidden: int = 2048,
+    heads: int = 16,
+    layers: int = 72,
+    vocab: int = 32000,
+    shards: int = 8,
+    groups: int = 8,
+    rounds: int = 2,
+    log: Callable[[str], None] = print,
+) -> CheckpointBench:
+    checkpoint = work / "checkpoint"
+    log(f"writing a nemotron-nas checkpoint: hidden {hidden}, {layers} layers, bf16 ...")
+    args = (hidden, heads, layers, vocab, shards)
+    subprocess.run([sys.executable, "-c", _BUILD, str(checkpoint), *map(str, args)], check=True, cwd=ROOT)
+    log(f"exporting it to ONNX and fusing {groups} pairs (untimed) ...")
+    subprocess.run([sys.executable, "-c", _PREPARE, str(checkpoint), str(work), str(groups)], check=True,
+                   cwd=ROOT)
+    fused = work / "fused" / "model.onnx"
+    data = [p for p in fused.parent.iterdir() if p.name != fused.name]
+    data_bytes = sum(p.stat().st_size for p in data)
+    timed_copy(data, work / "copy")  # reads the data file into the page cache once
+    shutil.rmtree(work / "copy")
+    steps = []
+    tool = ROOT / "tools" / "export_checkpoint.py"
+    for round_ in range(1, rounds + 1):
+        log(f"round {round_}: copy, then export_checkpoint ...")
+        subprocess.run(["sync"], check=False)
+        cpu = _children_cpu()
+        copied = timed_copy(data, work / "copy")
+        cpu = _children_cpu() - cpu
+        steps.append(Step("copy", round_, copied.seconds, cpu, copied.peak_bytes, data_bytes))
+        shutil.rmtree(work / "copy")
+        subprocess.run(["sync"], check=False)
+        out = work / "out"
+        cpu = _children_cpu()
+        run = measure(tool, [fused, "--source", checkpoint, "-o", out])
+        if run.code != 0:
+            raise RuntimeError(f"export_checkpoint failed: {run.output[-800:]}")
+        size = sum(p.stat().st_size for p in out.iterdir())
+        steps.append(Step("export", round_, run.seconds, _children_cpu() - cpu, run.peak_bytes, size))
+        shutil.rmtree(out)
+    return CheckpointBench(data_bytes, layers, hidden, groups, steps)
