@@ -36,20 +36,26 @@ class FuseFFNGroups(ir.passes.InPlacePass):
     requires: SwiGLU blocks that the plan fits (passes.plan.validate_plan) and, in every group, weights that
     concatenate (int4 MatMulNBits: "last" only, one layout, a block size dividing every down K): else a
     PassInputError (a UserError) before anything is rewritten, so a refused plan leaves the model as it was.
-    ensures: the plan's groups are one block each (blocks before - (j - i) per group).
+    ensures: the plan's groups are one block each (blocks before - (j - i) per group); the fused model's
+    block table is kept as `fused_blocks` for the next pass and validation.
+
+    The stream is walked once per model (passes/model_map.py): a caller that has the model's block table
+    passes it as `blocks`, and `requires` checks the plan against it instead of walking again.
 
     A group's FFN-free blocks (an attention-only first block, identity layers inside) stay as they are;
     its SwiGLU FFNs (`ffn_members`) become the one wide FFN, reading the stream its first one read.
     """
 
-    def __init__(self, plan: Plan):
+    def __init__(self, plan: Plan, blocks: list[Block] | None = None):
         super().__init__()
         self.plan = plan
+        self._given = blocks
         self._checked: tuple[ir.Model, list[Block]] | None = None  # the blocks `requires` found, for `call`
+        self.fused_blocks: list[Block] = []
 
     def requires(self, model: ir.Model) -> None:
         try:
-            blocks = find_blocks(model)
+            blocks = self._given if self._given is not None else find_blocks(model)
             validate_plan(self.plan, blocks)
             for group in self.plan.groups:
                 _check_group(ffn_members(blocks, group), self.plan.norm)
@@ -60,7 +66,7 @@ class FuseFFNGroups(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         if self._checked is None or self._checked[0] is not model:  # PassBase runs `requires` just before
             self.requires(model)
-        blocks, self._checked = self._checked[1], None
+        blocks, self._checked, self._given = self._checked[1], None, None  # stale once the graph changes
         self._expected_blocks = len(blocks) - self.plan.removed_blocks
         for group in self.plan.groups:
             _fuse_group(model.graph, ffn_members(blocks, group), self.plan.norm, group)
@@ -71,9 +77,11 @@ class FuseFFNGroups(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified=bool(self.plan.groups))
 
     def ensures(self, model: ir.Model) -> None:
-        count = len(find_blocks(model))
-        if count != self._expected_blocks:
-            raise AssertionError(f"fused model has {count} blocks, expected {self._expected_blocks}")
+        self.fused_blocks = find_blocks(model)
+        if len(self.fused_blocks) != self._expected_blocks:
+            raise AssertionError(
+                f"fused model has {len(self.fused_blocks)} blocks, expected {self._expected_blocks}"
+            )
 
 
 def ffn_members(blocks: list[Block], group: tuple[int, int]) -> list[Block]:

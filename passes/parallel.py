@@ -43,17 +43,21 @@ class ParallelizeBlocks(ir.passes.InPlacePass):
     adds of a form above; else a PassInputError (a UserError) before anything is rewritten.
     ensures: in each group, every block's attention residual reads x and the group's last residual add
     reads x and the branch sum.
+
+    `blocks`: the model's block table when the caller has it (FuseFFNGroups.fused_blocks), so that the
+    stream is not walked again.
     """
 
-    def __init__(self, plan: Plan):
+    def __init__(self, plan: Plan, blocks: list[Block] | None = None):
         super().__init__()
         self.plan = plan
+        self._given = blocks
         self._checked: ir.Model | None = None  # the model `requires` found self._groups in
         self._groups: list[list[Block]] = []
 
     def requires(self, model: ir.Model) -> None:
         try:
-            blocks = find_blocks(model)
+            blocks = self._given if self._given is not None else find_blocks(model)
             shift = _applied_ffn_groups(model, self.plan)
             if not shift:
                 validate_plan(self.plan, blocks)
@@ -67,7 +71,7 @@ class ParallelizeBlocks(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         if self._checked is not model:  # PassBase runs `requires` just before; a direct call does not
             self.requires(model)
-        self._checked = None
+        self._checked, self._given = None, None
         for group, members in zip(self.plan.parallel, self._groups, strict=True):
             _parallelize(model.graph, members, group)
         model.metadata_props[PLAN_METADATA_KEY] = self.plan.to_json()

@@ -60,10 +60,13 @@ def fuse_file(
     validate_plan(plan, blocks)
     nodes_before = len(model.graph)
     log(f"fusing {len(plan.groups)} group(s) of {len(blocks)} blocks, norm={plan.norm}")
-    FuseFFNGroups(plan)(model)
+    # The stream is walked once per model: the original's table here, the fused one by FuseFFNGroups.ensures;
+    # both are handed on to the next pass and to validation.
+    fuse = FuseFFNGroups(plan, blocks)
+    fuse(model)
     if plan.parallel:  # after the FFN groups: the block walk cannot read a parallelized graph
         log(f"parallelizing {len(plan.parallel)} group(s) of whole blocks")
-        ParallelizeBlocks(plan)(model)
+        ParallelizeBlocks(plan, fuse.fused_blocks)(model)
     external = has_external_data(model_path) or weight_bytes(model) > EXTERNAL_DATA_THRESHOLD
     with staged_output(output) as staging:
         staged = staging / output.name
@@ -72,7 +75,10 @@ def fuse_file(
         report = None
         if validate_output:
             log("validating with ONNX Runtime against the original and the parallel-sum reference")
-            report = validate(model_path, staged, plan, tokens)
+            # The original's records are read for weights only; a parallel plan's check also follows the
+            # residual adds, which the rewrite rewired in memory: it walks the file again.
+            known = {} if plan.parallel else {"original_blocks": blocks, "fused_blocks": fuse.fused_blocks}
+            report = validate(model_path, staged, plan, tokens, **known)
             if not report.ok:
                 raise ValidationError("; ".join(report.lines()) + " -- fused model not written")
         commit_output(staged, output)

@@ -114,14 +114,27 @@ def plan_from_metadata(path: Path) -> Plan:
 
 
 def validate(
-    original: Path, fused: Path, plan: Plan, tokens: np.ndarray | None = None, tolerance: float | None = None
+    original: Path,
+    fused: Path,
+    plan: Plan,
+    tokens: np.ndarray | None = None,
+    tolerance: float | None = None,
+    *,
+    original_blocks: list[Block] | None = None,
+    fused_blocks: list[Block] | None = None,
 ) -> ValidationReport:
+    """`fused` (written from `original` with `plan`) against the original and the parallel-sum reference.
+    `original_blocks` / `fused_blocks`: the block tables when the caller has walked the models already
+    (passes/pipeline.py), so that no stream is walked twice (plans of FFN groups only: a parallel plan's
+    check follows the original's residual adds in the file); else each file is walked here."""
     if plan.parallel:
         return _validate_parallel_plan(original, fused, plan, tokens, tolerance)
     notes = check_structure(fused)
-    original_blocks = find_blocks(load_model(original))
+    if original_blocks is None:
+        original_blocks = find_blocks(load_model(original))
     fused_model = load_model(fused)
-    fused_blocks = find_blocks(fused_model)
+    if fused_blocks is None:
+        fused_blocks = find_blocks(fused_model)
     expected = len(original_blocks) - plan.removed_blocks
     if len(fused_blocks) != expected:
         raise ValidationError(f"fused model has {len(fused_blocks)} blocks, the plan gives {expected}")
@@ -307,7 +320,11 @@ def contribution_error(x: np.ndarray, fused: np.ndarray, reference: np.ndarray) 
 
 
 def _validate_parallel_plan(
-    original: Path, fused: Path, plan: Plan, tokens: np.ndarray | None, tolerance: float | None
+    original: Path,
+    fused: Path,
+    plan: Plan,
+    tokens: np.ndarray | None,
+    tolerance: float | None,
 ) -> ValidationReport:
     """A plan with parallel groups (passes/parallel.py). The block walk cannot read a parallelized graph, so
     every group is found in the fused graph by the names of the original's streams (the rewrite keeps
