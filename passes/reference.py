@@ -7,7 +7,7 @@ one block at a time, a block of rows at a time, and never builds the concatenate
 builds; int4 MatMulNBits weights are dequantized here, independently of ONNX Runtime.
 
 A full-block parallel group (design §10) is referenced by `parallel_blocks_sum`: x + sum_k (block_k(x) - x)
-in float64 from each ORIGINAL block run alone on the same x (passes/analysis/runner.py runs them), its
+in float64 from each ORIGINAL block run alone on the same x (passes/run/block_runner.py runs them), its
 difference taken as the branches the block adds (no float32 cancellation of two streams).
 """
 

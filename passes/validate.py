@@ -6,7 +6,7 @@
 - exactness: each fused group's output, given the input the fused model fed it, must equal the numpy
   parallel sum of the original FFNs (passes/reference.py) to `tolerance`; each full-block parallel group's
   output, run alone on the original's stream x, must equal x + sum_k (block_k(x) - x) with every original
-  block run alone on x (passes/analysis/runner.py; its branches, summed in float64).
+  block run alone on x (passes/run/block_runner.py; its branches, summed in float64).
 When the model is too large to run whole within the memory bound (fuse + validation at most 512 MB,
 issue 13), each fused group is checked on its own subgraph with a random input instead, so memory stays
 near one group's weights (and a group too large for that is evaluated over row blocks, in float64).
@@ -23,8 +23,6 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from passes.analysis.cut import NameGraph, fill_stream_types, split_skip_norms, stream_names, value_types
-from passes.analysis.runner import STREAMING_BYTES, BlockRunner
 from passes.blocks import Block, ResidualAdd
 from passes.errors import UserError
 from passes.fuse import ffn_members
@@ -36,6 +34,8 @@ from passes.model_map import PLAN_METADATA_KEY, find_blocks, vocab_size
 from passes.patterns.nbits import float_activations
 from passes.plan import Plan, parse_plan
 from passes.reference import ffn_weight_bytes, parallel_blocks_sum, parallel_sum
+from passes.run.block_runner import STREAMING_BYTES, BlockRunner
+from passes.run.cut import NameGraph, fill_stream_types, split_skip_norms, stream_names, value_types
 
 # Above this many weight bytes the whole-model run is replaced by per-group subgraph checks. A whole-model
 # run holds every weight in ONNX Runtime, on top of the ~150 MB of the fusing process: a 0.40 GB model
@@ -145,7 +145,7 @@ def validate(
         if (width := fused_blocks[k].width) != sum(b.width for b in group):
             raise ValidationError(f"fused block for group [{first}, {last}] has width {width}")
     proto = load_proto(fused)
-    # Each block's output stream, as the block-by-block runner cuts them (passes/analysis/cut.py): a last
+    # Each block's output stream, as the block-by-block runner cuts them (passes/run/cut.py): a last
     # block whose sum the final Skip*Normalization keeps internal (output 3 unnamed) gets it named in `proto`.
     ends = [end for _, end in stream_names(proto, fused_blocks)]
     checks = [(g, group, fused_blocks[k], ends[k]) for g, group, k in pairs]

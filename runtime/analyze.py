@@ -35,13 +35,13 @@ from passes.analysis.parallel_groups import (
     select_parallel_groups,
 )
 from passes.analysis.propose import DEFAULT_THRESHOLD, NormChoice, choose_norm, propose
-from passes.analysis.runner import BlockRunner
 from passes.blocks import Block
 from passes.errors import UserError
 from passes.io.model_io import load_model
 from passes.model_map import find_blocks
 from passes.pipeline import fuse_file
 from passes.plan import Plan, validate_plan
+from passes.run.block_runner import BlockRunner
 from runtime.evaluate import QualityResult, evaluate
 from runtime.latency.predict import LayerShape, fuse_blocks, hardware, predict_decode
 from runtime.text_sets import (

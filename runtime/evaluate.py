@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from passes.analysis.runner import session
 from passes.errors import UserError
 from passes.graph_inputs import Signature
 from passes.io.model_io import load_proto
+from passes.run.block_runner import session
 from runtime.text_sets import TextSet
 
 METRICS = ("tokens", "ppl_original", "ppl_fused", "top1_agreement", "kl", "logits_cosine")

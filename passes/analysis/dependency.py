@@ -8,9 +8,10 @@ Definitions (all means are over tokens; "cos" is the cosine over the hidden dime
 - io_cosine_distance: mean of 1 - cos(block input, block output);
 - residual_norm_ratio: mean of ||output - input|| / ||input||.
 Block input is the residual stream entering the block (before its attention), block output the stream
-after its last part (cut.py): an FFN-free block is its attention part, an identity block changes nothing.
+after its last part (passes/run/cut.py): an FFN-free block is its attention part, an identity block
+changes nothing.
 
-How: BlockRunner (runner.py) runs the model's blocks one at a time (cut.py). Skipping block i does not
+How: BlockRunner (passes/run/) runs the model's blocks one at a time. Skipping block i does not
 change the stream before it, so row i starts from the stored input of block i and runs blocks i+1..N-1
 forward: N(N-1)/2 block evaluations for the whole matrix, plus N for the unchanged chain.
 """
@@ -25,8 +26,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from passes.analysis.runner import BlockRunner
 from passes.errors import UserError
+from passes.run.block_runner import BlockRunner
 
 # The block-by-block chain must reproduce the whole model's last stream to this relative error.
 CHAIN_TOLERANCE = 1e-3

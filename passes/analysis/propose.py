@@ -25,11 +25,11 @@ from pathlib import Path
 
 import numpy as np
 
-from passes.analysis.runner import model_logits
 from passes.errors import UserError
 from passes.metrics import cosine, l2_relative_error
 from passes.pipeline import fuse_file
 from passes.plan import NORM_MODES, Plan
+from passes.run.block_runner import model_logits
 from passes.runs import attention_free_runs
 
 DEFAULT_THRESHOLD = 0.15

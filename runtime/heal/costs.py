@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from passes.analysis.runner import BlockRunner
+from passes.run.block_runner import BlockRunner
 from runtime.heal.ffn import concatenated
 from runtime.heal.fit import refit_down, relative_squared_error
 from runtime.heal.records import HealConfig

@@ -34,9 +34,9 @@ from pathlib import Path
 
 import numpy as np
 
-from passes.analysis.runner import BlockRunner
 from passes.errors import UserError
 from passes.io.model_io import commit_output, staged_output
+from passes.run.block_runner import BlockRunner
 from passes.validate import exactness_tolerance
 from runtime.heal.ffn import FusedFFN, GroupWeights, fingerprint
 from runtime.heal.fit import fit, relative_squared_error

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from passes.analysis.runner import BlockRunner
+from passes.run.block_runner import BlockRunner
 from runtime.heal.pair import HealPair
 from runtime.heal.parallel import pack
 

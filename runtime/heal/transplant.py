@@ -13,10 +13,10 @@ from pathlib import Path
 
 import numpy as np
 
-from passes.analysis.runner import BlockRunner
 from passes.errors import UserError
 from passes.io.model_io import load_model
 from passes.model_map import find_blocks
+from passes.run.block_runner import BlockRunner
 from passes.validate import exactness_tolerance, plan_from_metadata
 from runtime.heal.ffn import GroupWeights, fingerprint
 from runtime.heal.pair import HealPair

@@ -10,13 +10,13 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from passes.analysis.cut import NameGraph, fill_stream_types, split_skip_norms, stream_names
-from passes.analysis.runner import BlockRunner
 from passes.blocks import Block
 from passes.graph import strip_cast
 from passes.io.model_io import load_model, load_typed_proto, save_model
 from passes.io.sessions import open_session
 from passes.model_map import find_blocks
+from passes.run.block_runner import BlockRunner
+from passes.run.cut import NameGraph, fill_stream_types, split_skip_norms, stream_names
 from passes.validate import contribution_error
 from runtime.heal.ffn import GroupWeights
 from runtime.heal.pair import HealPair
@@ -76,7 +76,7 @@ def check_written(path: Path, pair: HealPair, saved: dict, tokens: np.ndarray) -
     proto = load_typed_proto(path)
     written = find_blocks(load_model(path))
     ends = stream_names(proto, written)
-    split_skip_norms(proto, sorted(set(starts.values())))  # a span's own first norm (passes/analysis/cut.py)
+    split_skip_norms(proto, sorted(set(starts.values())))  # a span's own first norm (passes/run/cut.py)
     for group, members in saved.items():
         targets = pair.weight_blocks(group, written)
         x_name, y_name = starts[group], ends[pair.fused_index(group) + len(targets) - 1][1]

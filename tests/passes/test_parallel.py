@@ -15,7 +15,6 @@ from exporters.decode import export_spec_decode
 from exporters.llama import build_model
 from exporters.onnx_export import export_spec_model
 from exporters.spec import BlockSpec, ModelSpec
-from passes.analysis.runner import BlockRunner
 from passes.display import format_block_table
 from passes.errors import UserError
 from passes.graph_inputs import Signature
@@ -24,6 +23,7 @@ from passes.io.sessions import open_session
 from passes.model_map import PLAN_METADATA_KEY, build_model_map, find_blocks
 from passes.pipeline import fuse_file
 from passes.plan import Plan, parse_plan, validate_plan
+from passes.run.block_runner import BlockRunner
 from passes.shard import count_allreduces
 from passes.validate import plan_from_metadata
 from runtime.generate import DecodeModel, greedy_generate

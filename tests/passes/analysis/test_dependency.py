@@ -13,10 +13,10 @@ from onnx import numpy_helper
 
 from exporters.synthetic import SyntheticSpec, build_synthetic
 from passes.analysis.dependency import analyze, cosine_distance
-from passes.analysis.runner import BlockRunner
 from passes.errors import UserError
 from passes.io.model_io import load_model
 from passes.model_map import find_blocks
+from passes.run.block_runner import BlockRunner
 
 BLOCKS = [(True, 48), (False, 64), (False, 40), (False, 56), (True, 32), (False, 48)]
 

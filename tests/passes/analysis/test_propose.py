@@ -11,12 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from exporters.synthetic import SyntheticSpec, build_synthetic
-from passes.analysis import runner
 from passes.analysis.propose import attention_free_runs, choose_norm, group_max_dependency, propose
 from passes.errors import UserError
 from passes.io.model_io import load_model
 from passes.model_map import find_blocks
 from passes.plan import validate_plan
+from passes.run import block_runner as runner
 
 A, F = True, False
 

@@ -1,5 +1,5 @@
-"""Calibration windows (runtime/text_sets.py calibration_windows): heal.py given an empty calibration text says so in
-one line and writes nothing."""
+"""Calibration windows (runtime/text_sets.py calibration_windows): heal.py given an empty calibration text
+says so in one line and writes nothing."""
 
 from __future__ import annotations
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from passes.analysis import runner
 from passes.pipeline import fuse_file
 from passes.plan import Plan
+from passes.run import block_runner as runner
 from runtime.heal.costs import HealedCosts
 from runtime.heal.distill import heal
 from runtime.heal.records import HealConfig
@@ -27,7 +27,7 @@ def test_original_inputs_mode_and_measure_only(synthetic):
 
 
 def test_streaming_runner_heals_the_same(folded, monkeypatch):
-    """Models above passes.analysis.runner.STREAMING_BYTES run block by block (issue 13): same streams,
+    """Models above passes.run.block_runner.STREAMING_BYTES run block by block (issue 13): same streams,
     same fit."""
     folder, original, fused, _ = folded
     calib = windows(np.load(folder / "calib.npy"), 64)[:8]

@@ -6,10 +6,10 @@ import numpy as np
 import onnx
 
 from exporters.synthetic import SyntheticSpec, build_synthetic
-from passes.analysis.cut import cut_blocks
 from passes.analysis.dependency import analyze
 from passes.io.model_io import load_model
 from passes.model_map import find_blocks
+from passes.run.cut import cut_blocks
 
 
 def _tokens(vocab: int = 64, shape=(2, 12), seed: int = 1) -> np.ndarray:

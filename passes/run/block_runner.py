@@ -17,7 +17,6 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
-from passes.analysis.cut import NameGraph, cut_blocks, fill_stream_types, split_skip_norms, value_types
 from passes.errors import UserError
 from passes.graph_inputs import Signature
 from passes.io.model_io import load_model, load_proto, load_typed_proto, weight_bytes
@@ -25,6 +24,7 @@ from passes.io.sessions import open_session
 from passes.model_map import find_blocks, vocab_size
 from passes.patterns import nbits
 from passes.reference import ffn_weight_bytes, parallel_sum
+from passes.run.cut import NameGraph, cut_blocks, fill_stream_types, split_skip_norms, value_types
 
 # Above this many bytes of weights a BlockRunner streams: one block's weights in memory at a time.
 STREAMING_BYTES = 3 << 30

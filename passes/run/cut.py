@@ -4,7 +4,7 @@ the block to the stream leaving it.
 A block's subgraph reads the stream entering it and the side tensors it needs that are computed outside
 it (rotary cos/sin, the attention mask, shapes). Side tensors must not depend on the residual stream
 (this is checked), so they can be captured once from a full run and stay fixed when a block is skipped
-(passes/analysis/runner.py runs the subgraphs). Block input is the residual stream entering the block
+(passes/run/block_runner.py runs the subgraphs). Block input is the residual stream entering the block
 (before its attention part), block output the stream after its last part's residual add (its FFN's, or
 for an FFN-free block its attention's). An identity block (a layer the metadata names but the graph has
 no nodes for) has no subgraph: its output is its input.

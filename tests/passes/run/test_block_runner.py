@@ -10,9 +10,9 @@ import pytest
 
 from exporters.synthetic import SyntheticSpec, build_synthetic
 from passes import reference
-from passes.analysis import runner
 from passes.analysis.dependency import analyze
-from passes.analysis.runner import BlockRunner
+from passes.run import block_runner as runner
+from passes.run.block_runner import BlockRunner
 
 BLOCKS = [(True, 48), (True, 64), (False, 40), (False, 56), (True, 32), (False, 24)]
 
