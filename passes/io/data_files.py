@@ -5,7 +5,7 @@ example where it will be published: the Hugging Face Hub takes no file above 50 
 goes up in parts). Then, when they pass the limit, in `m.onnx.00001-of-00003.data`,
 `m.onnx.00002-of-00003.data`, ... (tensors in order, a new file when the next tensor would pass the
 limit; a tensor larger than the limit gets a file of its own), all written at once
-(stream_concat.write_files). One file stays the default: once no write call copied more than 128 KB
+(tensor_writer.write_files). One file stays the default: once no write call copied more than 128 KB
 (file_copy.WRITE_BYTES), two files of 2 GB were no faster than one in alternating rounds on this VM
 (docs/scale.md, seventh pass). No import of onnx: staging uses this module too.
 """

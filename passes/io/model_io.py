@@ -14,7 +14,7 @@ from google.protobuf.message import DecodeError
 from passes.errors import UserError
 from passes.io.data_files import data_file_names, data_files, pack, remove_data_files
 from passes.io.staging import commit_output, staged_output  # noqa: F401  (re-exported)
-from passes.io.stream_concat import write_files
+from passes.io.tensor_writer import write_files
 
 # Above this many initializer bytes a model must be saved with external data (protobuf's 2 GB limit).
 EXTERNAL_DATA_THRESHOLD = 1_800_000_000
@@ -96,7 +96,7 @@ def save_model(
 ) -> None:
     """Save (external data beside it when `external`: `<name>.data`, or, given `max_file_bytes` and weights
     above it, numbered files of at most that each, passes/io/data_files.py); the tensors of every file are
-    written all at once (stream_concat.write_files).
+    written all at once (tensor_writer.write_files).
 
     The data files are written here rather than by onnx-ir's writer, which writes one file in a temporary
     folder and removes that folder: on a file system that discards freed blocks synchronously (ext4 mounted

@@ -5,12 +5,8 @@ A `ConcatTensor` is the concatenation of `Part`s along one axis of the stored ma
 - axis 0: the parts one after the other (rows of the first part, then of the second, ...);
 - axis 1: each output row is the parts' rows side by side (rows interleave the parts).
 
-A model's tensors are written into its data files by `write_files`, all at once: each file's range is
-allocated (fallocate), and the jobs of every tensor, each writing its own byte range at its offset
-(copy_file_range, sendfile or pwrite), run on two threads, interleaved so that each tensor (and each file)
-advances in proportion to its size: one thread copies plain weights in the kernel while the other scales
-gate/up rows, and the two mostly write different files. One write at a time to a file (the kernel
-serializes writes to a file anyway; see _writing), so a thread builds a chunk while the other writes:
+A ConcatTensor is written as jobs, each writing its own byte range (`writes(fd, at)`), which
+passes/io/tensor_writer.py runs on two threads beside the model's other tensors (`write_files`):
 
 - plain parts (whole rows, unscaled) of an axis-0 concatenation, and unchanged external tensors: kernel
   copies, file to file (copy_file_range), in COPY_BYTES pieces;
@@ -41,28 +37,28 @@ bfloat16 in one pass, passes/io/_half_scale.c).
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
-import ctypes
-import errno
 import functools
-import heapq
-import io
-import itertools
 import mmap
 import os
-import stat
 import threading
-import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import BinaryIO
 
 import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 
-from passes.io.file_copy import WRITE_BYTES, copy_range
+from passes.io.tensor_writer import (
+    IOV_MAX,
+    Write,
+    advance,
+    chunk_buffer,
+    copies,
+    pwrite_all,
+    regular_fd,
+    write_chunk,
+    write_tensors,
+)
 
 try:  # half-precision "fold" in one pass (passes/io/_half_scale.c); where it is not built, the slower paths
     from passes.io import _half_scale
@@ -74,15 +70,8 @@ _BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 # A built chunk. Each costs about 150 us of its own (Python, an ONNX Runtime run, a sendfile): 4 MB chunks
 # were 10-15% faster than 1 MB ones, 8 MB no faster (docs/scale.md, eighth pass).
 CHUNK_BYTES = 4 << 20
+BAND_BYTES = 8 << 20  # output bytes per interleaved-rows job (built and written CHUNK_BYTES at a time)
 Source = ir.TensorProtocol | np.ndarray  # a model's tensor (external data or in memory), or an array
-
-
-@dataclass(frozen=True)
-class Write:
-    """A job writing its own `nbytes` of an output file: runs on any thread, in any order."""
-
-    nbytes: int
-    run: Callable[[], None]
 
 
 @dataclass(frozen=True)
@@ -314,8 +303,8 @@ def read_rows_into(tensor: Source, cols: int, start: int, out: np.ndarray) -> No
     offset = (tensor.offset or 0) + start * row_bytes
     fd = os.open(tensor.path, os.O_RDONLY)
     try:
-        for first in range(0, len(rows), _IOV_MAX):
-            _preadv_all(fd, rows[first : first + _IOV_MAX], offset + first * row_bytes, tensor)
+        for first in range(0, len(rows), IOV_MAX):
+            _preadv_all(fd, rows[first : first + IOV_MAX], offset + first * row_bytes, tensor)
     finally:
         os.close(fd)
 
@@ -340,7 +329,6 @@ def map_rows(
     return np.frombuffer(pages, dtype, count * cols, offset - base).reshape(count, cols)
 
 
-_IOV_MAX = 1024  # buffers one preadv call takes (Linux)
 _MAPPED_ROWS_BYTES = 16 << 20  # file pages read_columns keeps mapped at a time
 
 
@@ -365,17 +353,7 @@ def _preadv_all(fd: int, buffers: list[memoryview], offset: int, tensor) -> None
         if count <= 0:
             raise OSError(f"{tensor.path}: external data ends early (tensor {tensor.name!r})")
         offset += count
-        buffers = _after(buffers, count)
-
-
-def _after(buffers: list[memoryview], count: int) -> list[memoryview]:
-    """What is left of `buffers` once a vectored read or write has moved `count` bytes."""
-    while buffers and count >= len(buffers[0]):
-        count -= len(buffers[0])
-        buffers = buffers[1:]
-    if buffers and count:
-        buffers = [buffers[0][count:], *buffers[1:]]
-    return buffers
+        buffers = advance(buffers, count)
 
 
 _LOAD = threading.Lock()  # chunks are built in threads; a tensor maps or computes its array once
@@ -446,7 +424,7 @@ class ConcatTensor(ir.LazyTensor):
             at = base
             for part in self.parts:
                 if self.finish is None and (file_range := part.file_range()) is not None:
-                    yield from _copies(*file_range, fd, at)
+                    yield from copies(*file_range, fd, at)
                 else:
                     for start, stop in self._steps(part.shape[0], part.shape[1]):
                         where = at + start * row_bytes
@@ -460,18 +438,18 @@ class ConcatTensor(ir.LazyTensor):
             yield Write((stop - start) * row_bytes, job)
 
     def tofile(self, file) -> None:
-        if _regular_fd(file) is None:  # a stream (an in-memory buffer, a pipe): in order
+        if regular_fd(file) is None:  # a stream (an in-memory buffer, a pipe): in order
             for chunk in self.chunks():
-                _write(file, chunk)
+                write_chunk(file, chunk)
         else:
             write_tensors(file, [self])
 
     def _stacked_at(self, part: Part, start: int, stop: int, fd: int, at: int) -> None:
         if self.finish is not None:
             chunk = self.finish(part.read(start, stop, self._work_dtype()))
-            _pwrite_all(fd, [self._checked(chunk, stop - start)], at)
+            pwrite_all(fd, [self._checked(chunk, stop - start)], at)
             return
-        buffer = _chunk_buffer((stop - start) * self._row_bytes())
+        buffer = chunk_buffer((stop - start) * self._row_bytes())
         chunk = buffer.array(stop - start, part.shape[1], self._numpy)
         part.read_into(chunk, start, stop)
         scale_blocks([chunk], [part.row_scale(start, stop)])
@@ -480,14 +458,14 @@ class ConcatTensor(ir.LazyTensor):
     def _side_by_side_at(self, start: int, stop: int, fd: int, at: int) -> None:
         if self.finish is not None:
             chunk = self.finish(np.concatenate(self._blocks(start, stop), axis=1))
-            _pwrite_all(fd, [self._checked(chunk, stop - start)], at)
+            pwrite_all(fd, [self._checked(chunk, stop - start)], at)
             return
         # Scaled parts are scaled from their rows of the band, mapped once, into their columns of each
         # chunk; the others are read into their columns. Either way one copy from the page cache.
         dtype, width, row_bytes = self._work_dtype(), self._width(), self._row_bytes()
         maps = [None if part.scale is None else part.mapped_rows(start, stop, dtype) for part in self.parts]
         for first, last in self._steps(stop - start, width):
-            buffer = _chunk_buffer((last - first) * row_bytes)
+            buffer = chunk_buffer((last - first) * row_bytes)
             chunk = buffer.array(last - first, width, dtype)
             column, views, sources = 0, [], []
             for part, rows in zip(self.parts, maps, strict=True):
@@ -544,256 +522,3 @@ class ConcatTensor(ir.LazyTensor):
         chunks = [chunk.view(np.uint8).reshape(-1) for chunk in self.chunks()]
         array = np.concatenate(chunks).view(self._numpy) if chunks else np.empty(0, self._numpy)
         return ir.tensor(array.reshape(tuple(self.shape)), dtype=self.dtype, name=self.name)
-
-
-_THREAD = threading.local()
-
-
-class _ChunkBuffer:
-    """A thread's buffer for the chunk it builds, written into the output by one system call: the pages of a
-    memfd (a file in memory), which sendfile copies into the output file in the kernel, 64 KB at a time as
-    `cp` copies. The gathering pwritev calls it replaces wrote at most WRITE_BYTES each, and each paid a
-    return to Python and a hand-off of the interpreter lock between the two threads (with the Python
-    that built their buffer lists, 20-25% of a fusion's CPU time on two cores; docs/scale.md, eighth pass).
-    Without memfd (not Linux, or refused by a sandbox's system-call filter), or where sendfile refuses the
-    output, plain memory written with pwritev."""
-
-    def __init__(self, nbytes: int) -> None:
-        self.nbytes = nbytes
-        try:
-            self.fd: int | None = os.memfd_create("ffn-fusion-chunk")
-        except (AttributeError, OSError):
-            self.fd = None
-        if self.fd is None:
-            self.memory: mmap.mmap | bytearray = bytearray(nbytes)
-            return
-        weakref.finalize(self, os.close, self.fd)
-        os.ftruncate(self.fd, nbytes)
-        self.memory = mmap.mmap(self.fd, nbytes)
-
-    def array(self, rows: int, cols: int, dtype: np.dtype) -> np.ndarray:
-        return np.frombuffer(self.memory, dtype, rows * cols).reshape(rows, cols)
-
-    def write(self, fd: int, nbytes: int, at: int) -> None:
-        """Its first `nbytes` into `fd` at `at`."""
-        sent = 0
-        if self.fd is not None:
-            with _writing(fd):  # sendfile writes at the file's position: one writer at a time moves it
-                os.lseek(fd, at, os.SEEK_SET)
-                try:
-                    while sent < nbytes:
-                        count = os.sendfile(fd, self.fd, sent, nbytes - sent)
-                        if count == 0:
-                            raise OSError(errno.EIO, f"sendfile stopped at {sent} of {nbytes} bytes")
-                        sent += count
-                except OSError as error:
-                    if error.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-                        raise
-        if sent < nbytes:
-            _pwrite_all(fd, [np.frombuffer(self.memory, np.uint8, nbytes - sent, sent)], at + sent)
-
-
-def _chunk_buffer(nbytes: int) -> _ChunkBuffer:
-    """The calling thread's chunk buffer, at least `nbytes` large, reused from chunk to chunk (new memory
-    per chunk cost a page fault for every 4 KB, slow on this VM: docs/scale.md, eighth pass)."""
-    buffer = _THREAD.__dict__.get("chunk")
-    if buffer is None or buffer.nbytes < nbytes:
-        buffer = _THREAD.chunk = _ChunkBuffer(max(nbytes, CHUNK_BYTES))
-    return buffer
-
-
-_WORKERS = 2  # threads running write jobs (preadv, ONNX Runtime, numpy and the kernel copies release the GIL)
-COPY_BYTES = 8 << 20  # bytes per kernel-copy job
-BAND_BYTES = 8 << 20  # output bytes per interleaved-rows job (built and written CHUNK_BYTES at a time)
-
-
-def write_tensors(file, tensors: Sequence[ir.TensorProtocol]) -> list[int]:
-    """Write the tensors' bytes one after the other from the file's position; the offset of each (see
-    write_files)."""
-    return write_files([(file, tensors)])[0]
-
-
-def write_files(files: Sequence[tuple[BinaryIO, Sequence[ir.TensorProtocol]]]) -> list[list[int]]:
-    """Write each file's tensors one after the other from its position; the offsets of each file's tensors.
-
-    Into regular files, all at once: each file's range is allocated (fallocate), and the jobs of every
-    tensor (a ConcatTensor's chunks and kernel copies, an external tensor's kernel copies in COPY_BYTES
-    pieces, any other tensor whole) run on two threads, interleaved so that each tensor advances in
-    proportion to its size. So one thread copies plain weights (down, the layers not fused) in the kernel
-    while the other scales the next gate/up rows, where written tensor after tensor the scaling waited for
-    the copies and the copies for the scaling. The files are interleaved the same way, so that the two
-    threads mostly write different files: the kernel serializes writes to one file, not to two (_writing).
-    Into a stream: tensor after tensor, with `tofile`."""
-    offsets = [
-        list(itertools.accumulate((t.nbytes for t in tensors), initial=file.tell()))
-        for file, tensors in files
-    ]
-    streams, sizes = [], []
-    for (file, tensors), ends in zip(files, offsets, strict=True):
-        fd = _regular_fd(file)
-        if fd is None:
-            for tensor, offset in zip(tensors, ends[:-1], strict=True):
-                tensor.tofile(file)
-                _check_length(tensor, file.tell() - offset)
-            continue
-        file.flush()
-        _allocate(fd, ends[0], ends[-1] - ends[0])
-        jobs = [_tensor_writes(tensor, fd, at) for tensor, at in zip(tensors, ends[:-1], strict=True)]
-        streams.append(_interleaved(jobs, [tensor.nbytes for tensor in tensors]))
-        sizes.append(ends[-1] - ends[0])
-    _run(_interleaved(streams, sizes))
-    for (file, _), ends in zip(files, offsets, strict=True):
-        file.seek(ends[-1])
-    return [ends[:-1] for ends in offsets]
-
-
-def _tensor_writes(tensor: ir.TensorProtocol, fd: int, at: int) -> Iterator[Write]:
-    if isinstance(tensor, ConcatTensor):
-        yield from tensor.writes(fd, at)
-    elif isinstance(tensor, ir.ExternalTensor):
-        yield from _copies(str(tensor.path), tensor.offset or 0, tensor.nbytes, fd, at)
-    elif tensor.nbytes:
-        yield Write(tensor.nbytes, functools.partial(_write_whole, tensor, fd, at))
-
-
-def _copies(path: str, offset: int, length: int, fd: int, at: int) -> Iterator[Write]:
-    """Kernel copies of a file range, COPY_BYTES a job (several jobs, so that both threads copy)."""
-    for done in range(0, length, COPY_BYTES):
-        count = min(COPY_BYTES, length - done)
-        yield Write(count, functools.partial(_copy_file, path, offset + done, fd, at + done, count))
-
-
-def _interleaved(streams: list[Iterator[Write]], sizes: list[int]) -> Iterator[Write]:
-    """The jobs of all streams, next from the stream least far along (bytes given over its size)."""
-    heap = [(0.0, i) for i, size in enumerate(sizes) if size]
-    done = [0] * len(sizes)
-    while heap:
-        _, i = heapq.heappop(heap)
-        job = next(streams[i], None)
-        if job is not None:
-            yield job
-            done[i] += job.nbytes
-            heapq.heappush(heap, (done[i] / sizes[i], i))
-
-
-class _WriterAt:
-    """A file-like `write` for `tofile`: pwrite from `at` of `fd` onwards (one per job, no shared seek)."""
-
-    def __init__(self, fd: int, at: int) -> None:
-        self.fd, self.at = fd, at
-
-    def write(self, data) -> int:
-        view = memoryview(data).cast("B")
-        _pwrite_all(self.fd, [np.frombuffer(view, np.uint8)], self.at)
-        self.at += len(view)
-        return len(view)
-
-
-def _write_whole(tensor: ir.TensorProtocol, fd: int, at: int) -> None:
-    writer = _WriterAt(fd, at)
-    tensor.tofile(writer)
-    _check_length(tensor, writer.at - at)
-
-
-def _check_length(tensor: ir.TensorProtocol, length: int) -> None:
-    if length != tensor.nbytes:
-        raise ValueError(f"{tensor.name}: wrote {length} bytes for a tensor of {tensor.nbytes}")
-
-
-def _run(jobs: Iterator[Write]) -> None:
-    """Run `jobs` on _WORKERS threads, a few queued at a time (each job holds only its own chunk)."""
-    pending: collections.deque = collections.deque()
-    with concurrent.futures.ThreadPoolExecutor(_WORKERS) as pool:
-        try:
-            for job in jobs:
-                pending.append(pool.submit(job.run))
-                if len(pending) > 2 * _WORKERS:
-                    pending.popleft().result()
-            while pending:
-                pending.popleft().result()
-        finally:
-            for future in pending:
-                future.cancel()
-
-
-def _write(file, chunk: np.ndarray) -> None:
-    file.write(memoryview(np.ascontiguousarray(chunk).view(np.uint8).reshape(-1)))
-
-
-# One write at a time to a file. A write holds the file's inode lock in the kernel, and a second thread
-# writing the same file spins on that lock for as long as the first is copying (rwsem_spin_on_owner was a
-# quarter of a "fold"'s CPU time in `perf`): waiting here it sleeps instead, and its core reads and scales
-# the next chunk. Writes to different files go on at the same time.
-_WRITE_LOCKS: dict[int, threading.Lock] = {}
-_WRITE_LOCKS_GUARD = threading.Lock()
-
-
-def _writing(fd: int) -> threading.Lock:
-    """The lock held while writing to `fd` (a file's descriptor numbers are unique while it is open)."""
-    with _WRITE_LOCKS_GUARD:
-        return _WRITE_LOCKS.setdefault(fd, threading.Lock())
-
-
-def _pwrite_all(fd: int, arrays: list[np.ndarray], offset: int) -> None:
-    """Write the arrays' bytes one after the other at `offset` (pwritev, at most WRITE_BYTES and IOV_MAX
-    buffers a call)."""
-    buffers = [memoryview(np.ascontiguousarray(a).view(np.uint8).reshape(-1)) for a in arrays if a.size]
-    with _writing(fd):
-        for batch in _calls(buffers):
-            while batch:
-                count = os.pwritev(fd, batch, offset)
-                offset += count
-                batch = _after(batch, count)
-
-
-def _calls(buffers: list[memoryview]) -> Iterator[list[memoryview]]:
-    """The buffers in calls of at most WRITE_BYTES and _IOV_MAX buffers (larger buffers split)."""
-    batch: list[memoryview] = []
-    size = 0
-    for buffer in buffers:
-        while len(buffer):
-            if size == WRITE_BYTES or len(batch) == _IOV_MAX:
-                yield batch
-                batch, size = [], 0
-            piece = buffer[: WRITE_BYTES - size]
-            batch.append(piece)
-            size += len(piece)
-            buffer = buffer[len(piece) :]
-    if batch:
-        yield batch
-
-
-def _copy_file(path: str, offset: int, fd: int, at: int, length: int) -> None:
-    source = os.open(path, os.O_RDONLY)
-    try:
-        with _writing(fd):
-            copy_range(source, offset, fd, at, length, name=path)
-    finally:
-        os.close(source)
-
-
-def _allocate(fd: int, offset: int, length: int) -> None:
-    """Allocate the file's blocks for the range before it is written (fallocate(2)): writes then fill
-    allocated blocks instead of reserving them page by page (less kernel time per page written, measured
-    in docs/scale.md). Only a hint: where the file system has no fallocate nothing happens (unlike
-    posix_fallocate, which would write zeros over the range first)."""
-    fallocate = getattr(_libc(), "fallocate", None)
-    if fallocate is not None and length > 0:
-        fallocate(fd, 0, ctypes.c_int64(offset), ctypes.c_int64(length))  # an error return is ignored
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL | None:
-    try:
-        return ctypes.CDLL(None, use_errno=True)
-    except OSError:
-        return None
-
-
-def _regular_fd(file) -> int | None:
-    """The descriptor of `file` when it is a regular file that can be written at any offset."""
-    try:
-        fd = file.fileno()
-        return fd if stat.S_ISREG(os.fstat(fd).st_mode) and file.seekable() else None
-    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
-        return None

@@ -1,4 +1,5 @@
-"""Chunked writing of fused weights (passes/io/stream_concat.py) against a plain numpy concatenation."""
+"""Chunked writing of fused weights (passes/io/stream_concat.py, written by passes/io/tensor_writer.py) against a
+plain numpy concatenation."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
-from passes.io import stream_concat
+from passes.io import stream_concat, tensor_writer
 from passes.io.stream_concat import ConcatTensor, Part, scale_blocks, scale_rows
 from passes.patterns.nbits import pack, unpack
 
@@ -352,7 +353,7 @@ def test_chunks_without_memfd_or_sendfile_are_written_from_memory(tmp_path, monk
             raise OSError(errno.EINVAL, "Invalid argument")
 
         monkeypatch.setattr(os, "sendfile", refused)
-    monkeypatch.setattr(stream_concat, "_THREAD", threading.local())  # no chunk buffer made before
+    monkeypatch.setattr(tensor_writer, "_THREAD", threading.local())  # no chunk buffer made before
     rng = np.random.default_rng(14)
     mats = [rng.standard_normal((9, c)).astype(np.float32) for c in (5, 3)]
     scale = rng.uniform(0.5, 1.5, 9).astype(np.float32)
@@ -383,7 +384,7 @@ def _preadv_calls(monkeypatch) -> list[tuple[str, int]]:
 
 def test_plain_parts_one_after_the_other_are_copied_by_the_kernel_in_pieces(tmp_path, monkeypatch):
     """Down: unscaled whole parts are kernel copies of COPY_BYTES each (several jobs, any order)."""
-    monkeypatch.setattr(stream_concat, "COPY_BYTES", 64)
+    monkeypatch.setattr(tensor_writer, "COPY_BYTES", 64)
     rng = np.random.default_rng(16)
     mats = [rng.standard_normal((r, 6)).astype(np.float32) for r in (5, 7)]
     parts = [Part(_external(m, tmp_path, f"p{i}"), *m.shape) for i, m in enumerate(mats)]
@@ -461,7 +462,7 @@ def test_without_fallocate_the_file_is_written_the_same(tmp_path, monkeypatch, l
         def fallocate(*args):
             return -1
 
-    monkeypatch.setattr(stream_concat, "_libc", lambda: None if libc == "absent" else Failing())
+    monkeypatch.setattr(tensor_writer, "_libc", lambda: None if libc == "absent" else Failing())
     rng = np.random.default_rng(15)
     mats = [rng.standard_normal((5, 6)).astype(np.float16) for _ in range(2)]
     parts = [Part(_external(m, tmp_path, f"m{i}"), 5, 6) for i, m in enumerate(mats)]
@@ -505,17 +506,17 @@ def test_write_tensors_writes_each_tensor_at_its_offset(tmp_path, monkeypatch, s
     """A model's data file: the tensors one after the other, from where the file stands, at the offsets
     returned, whatever their kind (jobs of all of them on two threads into a file; in order into a
     stream)."""
-    monkeypatch.setattr(stream_concat, "COPY_BYTES", 96)
+    monkeypatch.setattr(tensor_writer, "COPY_BYTES", 96)
     tensors, expected = _tensors(tmp_path)
     if sink == "stream":
         file = io.BytesIO(b"head")
         file.seek(4)
-        offsets = stream_concat.write_tensors(file, tensors)
+        offsets = tensor_writer.write_tensors(file, tensors)
         data = file.getvalue()
     else:
         with open(tmp_path / "out.data", "wb") as file:
             file.write(b"head")
-            offsets = stream_concat.write_tensors(file, tensors)
+            offsets = tensor_writer.write_tensors(file, tensors)
             assert file.tell() == 4 + sum(map(len, expected))
         data = (tmp_path / "out.data").read_bytes()
     assert data == b"head" + b"".join(expected)
@@ -527,9 +528,9 @@ def _recorded_writes(monkeypatch, small_jobs: bool = True) -> list[tuple[str, in
     sent from its memfd, ("copy", fd) for a kernel copy; with `small_jobs`, small jobs on one worker (the
     jobs' own order)."""
     if small_jobs:
-        monkeypatch.setattr(stream_concat, "COPY_BYTES", 96)
+        monkeypatch.setattr(tensor_writer, "COPY_BYTES", 96)
         monkeypatch.setattr(stream_concat, "BAND_BYTES", 64)
-        monkeypatch.setattr(stream_concat, "_WORKERS", 1)
+        monkeypatch.setattr(tensor_writer, "_WORKERS", 1)
     writes: list[tuple[str, int]] = []
     pwritev, copy, sendfile = os.pwritev, os.copy_file_range, os.sendfile
 
@@ -561,7 +562,7 @@ def test_write_tensors_interleaves_the_tensors_in_proportion(tmp_path, monkeypat
     writes = _recorded_writes(monkeypatch)
     tensors, expected = _tensors(tmp_path)
     with open(tmp_path / "out.data", "wb") as file:
-        stream_concat.write_tensors(file, tensors[:2])
+        tensor_writer.write_tensors(file, tensors[:2])
     assert (tmp_path / "out.data").read_bytes() == b"".join(expected[:2])
     # 1280 bytes of gate in jobs of 64 (two rows): 20 writes; 1600 of plain in copies of 96: 17
     kinds = [kind for kind, _ in writes]
@@ -576,7 +577,7 @@ def test_write_files_writes_each_file_and_alternates_between_them(tmp_path, monk
     tensors, expected = _tensors(tmp_path)
     with open(tmp_path / "a.data", "wb") as first, open(tmp_path / "b.data", "wb") as second:
         first.write(b"head")
-        offsets = stream_concat.write_files([(first, tensors[:1]), (second, tensors[1:])])
+        offsets = tensor_writer.write_files([(first, tensors[:1]), (second, tensors[1:])])
         assert (first.tell(), second.tell()) == (4 + len(expected[0]), sum(map(len, expected[1:])))
         fds = (first.fileno(), second.fileno())
     assert (tmp_path / "a.data").read_bytes() == b"head" + expected[0]
@@ -591,8 +592,8 @@ def test_no_write_call_copies_more_than_write_bytes(tmp_path, monkeypatch):
     """Every pwritev copies at most WRITE_BYTES from user memory (larger writes get large page-cache folios,
     10-15x slower per byte on the VM measured) and takes at most IOV_MAX buffers, whatever the pieces: one
     large buffer, many small ones, or both; the bytes land in order."""
-    monkeypatch.setattr(stream_concat, "WRITE_BYTES", 1000)
-    monkeypatch.setattr(stream_concat, "_IOV_MAX", 7)
+    monkeypatch.setattr(tensor_writer, "WRITE_BYTES", 1000)
+    monkeypatch.setattr(tensor_writer, "IOV_MAX", 7)
     rng = np.random.default_rng(0)
     arrays = [rng.integers(0, 255, n, dtype=np.uint8) for n in [4321, 3, 999, 1, 1000, *[17] * 40, 2500]]
     calls: list[tuple[int, int]] = []
@@ -604,7 +605,7 @@ def test_no_write_call_copies_more_than_write_bytes(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "pwritev", recorded)
     with open(tmp_path / "out.data", "wb") as file:
-        stream_concat._pwrite_all(file.fileno(), arrays, 5)
+        tensor_writer.pwrite_all(file.fileno(), arrays, 5)
     assert (tmp_path / "out.data").read_bytes() == b"\0" * 5 + b"".join(a.tobytes() for a in arrays)
     assert max(size for size, _ in calls) == 1000 and max(count for _, count in calls) <= 7
     assert sum(size for size, _ in calls) == sum(a.size for a in arrays)
@@ -615,12 +616,12 @@ def test_chunk_buffers_are_reused_per_thread_and_grow():
     again); a larger chunk grows it; threads never share one."""
     import concurrent.futures
 
-    first = stream_concat._chunk_buffer(100)
-    assert stream_concat._chunk_buffer(50) is first and first.nbytes >= stream_concat.CHUNK_BYTES
-    grown = stream_concat._chunk_buffer(first.nbytes + 1)
+    first = tensor_writer.chunk_buffer(100)
+    assert tensor_writer.chunk_buffer(50) is first and first.nbytes >= tensor_writer.BUFFER_BYTES
+    grown = tensor_writer.chunk_buffer(first.nbytes + 1)
     assert grown is not first and grown.nbytes == first.nbytes + 1
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        theirs = pool.submit(stream_concat._chunk_buffer, 10).result()
+        theirs = pool.submit(tensor_writer.chunk_buffer, 10).result()
     assert theirs is not grown
 
 

@@ -280,7 +280,7 @@ def test_weights_through_transpose_and_cast(tmp_path):
 
 def test_quantizing_keeps_a_weight_per_writing_thread_in_memory(tmp_path):
     """16 external fp32 weights of 1 MiB: peak Python-side allocation stays near one weight for each of the
-    two threads that quantize and write them (stream_concat.write_tensors), whatever the count."""
+    two threads that quantize and write them (tensor_writer.write_tensors), whatever the count."""
     n, layers = 512, 16
     rng = np.random.default_rng(0)
     inits, nodes, prev = [], [], "x"
