@@ -22,7 +22,7 @@ attention, and for Nemotron-NAS / Puzzle checkpoints each GQA layer with its own
 (`kv_heads_L`), attention replaced by one Linear (`self_attn.linear_attn`, no cache), the FFN replaced by
 one Linear (`mlp.linear_mlp`) or absent.
 
-The wrapper subclasses exporters.llama's SpecLlama, Backbone, DecoderBlock and Attention, so it keeps
+The wrapper subclasses exporters.llama's SpecLlama, Backbone, DecoderBlock and SelfAttention, so it keeps
 their parameter names (model.layers.N.self_attn.q_proj, ...): a SpecLlama's or a Hugging Face Llama's
 state dict loads as is, and the residual stream (embedding Gather -> residual Adds -> final norm) is the
 one passes.model_map walks in the prefill-only export.
@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from exporters.decode_spec import cache_kv_heads, cache_layers, kinds_of
-from exporters.llama import MLP, Attention, Backbone, DecoderBlock, RMSNorm, SpecLlama, build_model
+from exporters.llama import MLP, Backbone, DecoderBlock, RMSNorm, SelfAttention, SpecLlama, build_model
 from exporters.onnx_export import EXTERNAL_DATA_THRESHOLD, dynamo_export, save_export
 from exporters.spec import BlockSpec, ModelSpec
 
@@ -72,8 +72,8 @@ class AttentionInputs:
     bias: torch.Tensor
 
 
-class CachedAttention(Attention):
-    """exporters.llama.Attention (same parameters) with an explicit past K/V concatenated in front."""
+class CachedAttention(SelfAttention):
+    """exporters.llama.SelfAttention (same parameters) with an explicit past K/V concatenated in front."""
 
     def forward(
         self, x: torch.Tensor, step: AttentionInputs, past: tuple[torch.Tensor, torch.Tensor]

@@ -50,7 +50,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-class Attention(nn.Module):
+class SelfAttention(nn.Module):
     """Causal grouped-query attention with rotary position embeddings, no biases."""
 
     def __init__(self, spec: ModelSpec) -> None:
@@ -86,7 +86,7 @@ class Attention(nn.Module):
 class DecoderBlock(nn.Module):
     """One block: [input_layernorm -> self_attn -> residual add] (optional), post norm -> mlp -> add."""
 
-    attention_class: type[Attention] = Attention
+    attention_class: type[SelfAttention] = SelfAttention
 
     def __init__(self, spec: ModelSpec, index: int) -> None:
         super().__init__()

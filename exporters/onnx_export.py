@@ -22,8 +22,8 @@ from typing import Any
 import onnx_ir as ir
 import torch
 
+from exporters.export_record import ExportResult
 from exporters.llama import build_model, count_parameters
-from exporters.results import ExportResult
 from exporters.spec import ModelSpec
 from passes.io.data_files import data_files
 from passes.io.model_io import save_model, weight_bytes

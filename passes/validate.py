@@ -24,12 +24,12 @@ import onnx
 import onnxruntime as ort
 
 from passes.blocks import Block, ResidualAdd
+from passes.error_measures import cosine, l2_relative_error
 from passes.errors import UserError
 from passes.fuse import ffn_members
 from passes.graph_inputs import FeedError, Signature
 from passes.io.model_io import load_model, load_proto, load_typed_proto, weight_bytes
 from passes.io.sessions import open_session
-from passes.metrics import cosine, l2_relative_error
 from passes.model_map import PLAN_METADATA_KEY, find_blocks, vocab_size
 from passes.patterns.nbits import float_activations
 from passes.plan import Plan, parse_plan

@@ -29,9 +29,9 @@ def _attention_classes():
     import torch.nn.functional as F
     from torch import nn
 
-    from exporters.llama import Attention, rotate_half
+    from exporters.llama import SelfAttention, rotate_half
 
-    class WhereMask(Attention):
+    class WhereMask(SelfAttention):
         """HF/Optimum style: repeat_kv by Expand + Reshape, mask by masked_fill (Where), IsNaN guard."""
 
         def attend(self, q, k, v, mask):
@@ -46,7 +46,7 @@ def _attention_classes():
             out = torch.matmul(probs, v).transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
             return self.o_proj(out)
 
-    class RepeatInterleave(Attention):
+    class RepeatInterleave(SelfAttention):
         """GQA by repeat_interleave, additive mask."""
 
         def attend(self, q, k, v, mask):
@@ -56,7 +56,7 @@ def _attention_classes():
             out = torch.matmul(probs, v).transpose(1, 2)
             return self.o_proj(out.reshape(out.shape[0], out.shape[1], -1))
 
-    class Sdpa(Attention):
+    class Sdpa(SelfAttention):
         """F.scaled_dot_product_attention with GQA: the Attention op at opset 23."""
 
         def attend(self, q, k, v, mask):

@@ -8,8 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+from passes.block_table import format_block_table
 from passes.cli import add_data_file_size, data_file_bytes, tool_parser
-from passes.display import format_block_table
 from passes.errors import UserError, run_cli
 from passes.fuse import ffn_members
 from passes.io.model_io import load_model

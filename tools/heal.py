@@ -9,7 +9,7 @@ from pathlib import Path
 
 from passes.cli import add_options, parse, tool_parser
 from passes.errors import run_cli
-from runtime.heal.records import INPUT_MODES, LOSSES, HealConfig
+from runtime.heal.metadata import INPUT_MODES, LOSSES, HealConfig
 from runtime.heal.report import HEAL_DEFAULTS, run_heal
 
 EPILOG = """\

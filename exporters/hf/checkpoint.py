@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from exporters.hf.config import DTYPES, HfConfig, decode_spec, expected_tensors, layer_kinds, read_config
-from exporters.results import ExportResult
+from exporters.export_record import ExportResult
 from passes.errors import UserError
 from passes.io.file_copy import copy_range, write_at
 from passes.io.staging import commit_output, staged_output

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from passes.error_measures import cosine, l2_relative_error
 from passes.errors import UserError
-from passes.metrics import cosine, l2_relative_error
 from passes.pipeline import fuse_file
 from passes.plan import NORM_MODES, Plan
 from passes.run.block_runner import model_logits

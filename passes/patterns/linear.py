@@ -8,7 +8,7 @@ Transpose/Cast/Identity/DequantizeLinear (FP8 Q/DQ), or ORT's MatMulNBits (int4)
     linear_shape(node)           # (in, out) as the layer multiplies; NoMatch when it is no such layer
     find_linears(graph)          # every MatMul with a float 2-D weight, in graph order (what FP8 quantizes)
 
-The attention and SwiGLU recognizers (passes.patterns.attention, .swiglu), the sharder (passes.shard.graph)
+The attention and SwiGLU recognizers (passes.patterns.attention, .swiglu), the sharder (passes.shard.roles)
 and FP8 (passes.quant.fp8, .calibrate) all read linear layers through this module.
 """
 

@@ -1,10 +1,10 @@
 """Tensor-parallel sharding: split a Llama-family ONNX model into N rank graphs (Megatron layout).
 
-Per residual branch (passes.shard.graph finds them by structure):
+Per residual branch (passes.shard.roles finds them by structure):
 
 - attention (any form passes.patterns.attention knows): q/k/v (or one packed qkv) column-parallel by
   heads, o_proj row-parallel. Any head count at any N: heads are zero-padded to an equal share per rank
-  (passes.shard.plan.HeadPlan), and with fewer KV heads than ranks each KV head is replicated on the
+  (passes.shard.partition.HeadPlan), and with fewer KV heads than ranks each KV head is replicated on the
   ranks whose query heads use it.
 - FFN (SwiGLU, and fused wide FFNs, which are just wider): gate/up column-parallel, down row-parallel;
   widths not divisible by N are padded with zero columns (gate/up) and zero rows (down), which is exact.
@@ -38,14 +38,14 @@ from passes.shard.files import (
     MANIFEST_FORMAT,
     BranchSummary,
     ShardReport,
+    branch_summaries,
     rank_onnx_files,
     read_manifest,
     shard_file,
     shard_model,
-    summarize,
     write_manifest,
 )
-from passes.shard.plan import VALID_TP, HeadPlan, WeightSlice, check_tp, kv_layout, plan_slices
+from passes.shard.partition import VALID_TP, HeadPlan, WeightSlice, check_tp, kv_layout, plan_slices
 from passes.shard.rank_pass import ShardRank
 from passes.shard.rewrite import LM_HEAD_MODES, METADATA_KEY, RankInfo, shard_in_memory
 
@@ -73,6 +73,6 @@ __all__ = [
     "shard_file",
     "shard_in_memory",
     "shard_model",
-    "summarize",
+    "branch_summaries",
     "write_manifest",
 ]

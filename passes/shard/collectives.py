@@ -20,8 +20,8 @@ import onnx_ir as ir
 from passes.errors import UserError
 from passes.io.model_io import load_model, load_proto
 from passes.model_map import PLAN_METADATA_KEY
-from passes.shard.graph import WeightRef, find_structure
-from passes.shard.types import walk_type
+from passes.shard.roles import WeightRef, find_structure
+from passes.shard.value_types import walk_type
 
 COLLECTIVE_OP = "DistCollective"
 

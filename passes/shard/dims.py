@@ -52,7 +52,7 @@ class ShapeRewrite:
 @dataclass(frozen=True)
 class HeadMap:
     """Query heads, KV heads and query heads per KV head of an attention block: the full model's and
-    one rank's (planned by passes.shard.plan, zero heads included)."""
+    one rank's (planned by passes.shard.partition, zero heads included)."""
 
     full: tuple[int, int, int]
     rank: tuple[int, int, int]

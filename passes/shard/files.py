@@ -23,10 +23,10 @@ from passes.io.model_io import (
     weight_bytes,
 )
 from passes.shard.collectives import COLLECTIVE_DOMAIN, COLLECTIVE_OP, reject_rank_graph
-from passes.shard.graph import find_structure
-from passes.shard.plan import HeadPlan
+from passes.shard.partition import HeadPlan
 from passes.shard.rank_pass import ShardRank
 from passes.shard.rewrite import RankInfo
+from passes.shard.roles import find_structure
 
 MANIFEST = "tp.json"
 
@@ -110,7 +110,7 @@ def parallel_note(branches: list[BranchSummary]) -> str:
     return f"{len(sizes)} x 2 in parallel groups of {shown} blocks, {saved} saved"
 
 
-def summarize(model: ir.Model, tp: int) -> list[BranchSummary]:
+def branch_summaries(model: ir.Model, tp: int) -> list[BranchSummary]:
     reject_rank_graph(model)
     structure = find_structure(model)
     out = []
@@ -146,7 +146,7 @@ def shard_file(
         raise UserError(f"--out {out_dir} is the model's own folder; choose a new folder")
     start = time.perf_counter()
     source_external = has_external_data(model_path)
-    summary = summarize(load_model(model_path), tp)
+    summary = branch_summaries(load_model(model_path), tp)
     files: list[Path] = []
     infos: list[RankInfo] = []
     external = False

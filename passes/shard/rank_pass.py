@@ -16,7 +16,7 @@ import onnx_ir as ir
 from passes.errors import PassInputError, UserError
 from passes.model_map import find_embedding
 from passes.shard.collectives import collective_op, collectives, reject_rank_graph
-from passes.shard.plan import check_tp
+from passes.shard.partition import check_tp
 from passes.shard.rewrite import LM_HEAD_MODES, METADATA_KEY, RankInfo, shard_in_memory
 
 ROW_OPS = ("MatMul", "Gemm", "MatMulNBits")  # what a row-parallel projection is
@@ -27,7 +27,7 @@ class ShardRank(ir.passes.InPlacePass):
 
     requires: not a rank graph already (no DistCollective node) and a token embedding to start the stream
     from: else a PassInputError (a UserError). The residual branches are recognized once, by the rewrite
-    (passes.shard.graph; a UserError says what it does not understand): recognizing them here too would
+    (passes.shard.roles; a UserError says what it does not understand): recognizing them here too would
     double the cost of every rank (measured 2.2 s of 2.7 s on a 5210-node Optimum SmolLM2 graph).
     ensures: the tp metadata names this rank; tp > 1: one all_reduce per residual branch outside parallel
     groups and two per parallel group of blocks, each reading the output of a projection (MatMul, Gemm or

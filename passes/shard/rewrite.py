@@ -27,9 +27,9 @@ from passes.shard.collectives import (
     reject_rank_graph,
 )
 from passes.shard.dims import HeadMap, RankWorld, ShapeRewrite
-from passes.shard.graph import Branch, TpStructure, find_structure
-from passes.shard.plan import PAD, HeadPlan, WeightSlice, check_tp, plan_slices, sliced_shape
-from passes.shard.types import walk_type
+from passes.shard.partition import PAD, HeadPlan, WeightSlice, check_tp, plan_slices, sliced_shape
+from passes.shard.roles import Branch, TpStructure, find_structure
+from passes.shard.value_types import walk_type
 
 LM_HEAD_MODES = ("replicated", "vocab")
 

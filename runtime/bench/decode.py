@@ -47,7 +47,7 @@ class BenchCase:
 
 
 @dataclass
-class BenchResult:
+class DecodeTiming:
     """One model on one case, over all timed repetitions."""
 
     model: str
@@ -63,11 +63,11 @@ class BenchResult:
     token_agreement: float | None = None  # share of generated tokens equal to the first model's
 
 
-def summarize(name: str, case: BenchCase, runs: list[GenerationStats]) -> BenchResult:
+def time_runs(name: str, case: BenchCase, runs: list[GenerationStats]) -> DecodeTiming:
     steps = np.array([s for r in runs for s in r.step_s], dtype=np.float64)
     ttft = [r.ttft_s * 1e3 for r in runs]
     throughput = [r.decode_tokens_per_s for r in runs]
-    return BenchResult(
+    return DecodeTiming(
         model=name,
         batch=case.batch,
         prompt_len=case.prompt_len,
@@ -89,7 +89,7 @@ def bench_models(
     warmup: int = 1,
     seed: int = 0,
     progress: bool = True,
-) -> list[BenchResult]:
+) -> list[DecodeTiming]:
     """Time every model on every case, the models ALTERNATING within each repetition (ABBA order), so that
     machine noise hits all of them alike. Prompts are seeded random tokens; no eos, so every run
     generates exactly gen_len tokens."""
@@ -97,7 +97,7 @@ def bench_models(
     names = list(models)
     total = len(cases) * (reps + warmup) * len(names)
     bar = tqdm(total=total, desc="bench", unit="run", disable=not progress, file=sys.stderr)
-    results: list[BenchResult] = []
+    results: list[DecodeTiming] = []
     rng = np.random.default_rng(seed)
     for case in cases:
         prompts = rng.integers(0, vocab, (case.batch, case.prompt_len))
@@ -113,7 +113,7 @@ def bench_models(
                 bar.update()
         first = np.array(tokens[names[0]])
         for name in names:
-            result = summarize(name, case, runs[name])
+            result = time_runs(name, case, runs[name])
             result.token_agreement = float((np.array(tokens[name]) == first).mean())
             results.append(result)
     bar.close()
@@ -190,7 +190,7 @@ def bench_tp_gloo(
     reps: int = 5,
     warmup: int = 1,
     threads: int = 1,
-) -> list[BenchResult]:
+) -> list[DecodeTiming]:
     """`bench_models` with every rank in its own process (torch.multiprocessing, gloo all-reduces);
     rank 0's timings are returned. The models still alternate: each rank holds all of them."""
     import torch.multiprocessing as mp  # as in _gloo_bench_worker
@@ -209,7 +209,7 @@ def bench_tp_gloo(
             str(out),
         )
         mp.spawn(_gloo_bench_worker, args=args, nprocs=world, join=True)
-        return [BenchResult(**r) for r in json.loads(out.read_text())]
+        return [DecodeTiming(**r) for r in json.loads(out.read_text())]
 
 
 def prepare(settings: BenchSettings, targets: dict[str, Path], out: Path) -> dict[str, Path]:
@@ -226,7 +226,7 @@ def prepare(settings: BenchSettings, targets: dict[str, Path], out: Path) -> dic
     return targets
 
 
-def measure(settings: BenchSettings, targets: dict[str, Path], vocab: int) -> list[BenchResult]:
+def measure(settings: BenchSettings, targets: dict[str, Path], vocab: int) -> list[DecodeTiming]:
     s, cases = settings, settings.cases
     if s.tp > 1 and s.tp_mode == "gloo":
         return bench_tp_gloo(targets, s.tp, cases, vocab, s.reps, s.warmup, s.threads or 1)
@@ -256,9 +256,9 @@ def machine() -> dict:
     }
 
 
-def speedups(results: list[BenchResult]) -> list[dict]:
+def speedups(results: list[DecodeTiming]) -> list[dict]:
     """Each model's ratios to the original on every case (> 1: faster), one row per model and case."""
-    by_case: dict[tuple[int, int], dict[str, BenchResult]] = {}
+    by_case: dict[tuple[int, int], dict[str, DecodeTiming]] = {}
     for r in results:
         by_case.setdefault((r.batch, r.prompt_len), {})[r.model] = r
     rows = []
@@ -281,7 +281,7 @@ def speedups(results: list[BenchResult]) -> list[dict]:
     return rows
 
 
-def report(settings: BenchSettings, infos: dict[str, dict], results: list[BenchResult]) -> dict:
+def report(settings: BenchSettings, infos: dict[str, dict], results: list[DecodeTiming]) -> dict:
     return {
         "format": FORMAT,
         "date": datetime.date.today().isoformat(),

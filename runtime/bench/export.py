@@ -43,7 +43,7 @@ write_checkpoint(sys.argv[1], *map(int, sys.argv[2:]))
 
 
 @dataclass
-class Step:
+class ExportStep:
     name: str
     seconds: float
     peak_bytes: int
@@ -56,21 +56,21 @@ class Step:
 
 
 @dataclass
-class BenchResult:
+class ExportBench:
     checkpoint_bytes: int
     largest_tensor_bytes: int
     layers: int
     hidden: int
-    steps: list[Step]
+    steps: list[ExportStep]
 
     @property
     def bound_bytes(self) -> int:
         return GB + self.largest_tensor_bytes
 
-    def ratio(self, step: Step) -> float:
+    def ratio(self, step: ExportStep) -> float:
         return step.seconds / (step.copy_seconds or step.seconds)
 
-    def within(self, step: Step) -> bool:
+    def within(self, step: ExportStep) -> bool:
         return step.peak_bytes <= self.bound_bytes and self.ratio(step) <= 2.0
 
     def median_ratio(self, name: str) -> float:
@@ -126,7 +126,7 @@ def bench(
     convert: bool = False,
     rounds: int = 2,
     log: Callable[[str], None] = print,
-) -> BenchResult:
+) -> ExportBench:
     checkpoint = work / "checkpoint"
     log(f"writing a nemotron-nas checkpoint: hidden {hidden}, {layers} layers, bf16 ...")
     subprocess.run(
@@ -145,13 +145,15 @@ def bench(
     for round_ in range(1, rounds + 1):
         log(f"round {round_}: copying the safetensors files ...")
         copied, cpu = _copy(shards_files, work / "copy")
-        copy = Step("copy", copied.seconds, copied.peak_bytes, output_bytes=table.total_bytes, round=round_)
+        copy = ExportStep(
+            "copy", copied.seconds, copied.peak_bytes, output_bytes=table.total_bytes, round=round_
+        )
         copy.copy_seconds, copy.cpu_seconds = copied.seconds, cpu
         steps.append(copy)
         for name, target, args in runs:
             log(f"round {round_}: running {name} ...")
             steps.append(_export_step(name, target, args, work, round_, copied.seconds))
-    return BenchResult(table.total_bytes, table.largest_bytes, layers, hidden, steps)
+    return ExportBench(table.total_bytes, table.largest_bytes, layers, hidden, steps)
 
 
 def _copy(files: list[Path], target: Path) -> tuple[Measured, float]:
@@ -168,7 +170,9 @@ def _children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _export_step(name: str, target: str | Path, args: list, work: Path, round_: int, copy_s: float) -> Step:
+def _export_step(
+    name: str, target: str | Path, args: list, work: Path, round_: int, copy_s: float
+) -> ExportStep:
     out = work / name / "model.onnx"
     os.sync()
     cpu = _children_cpu()
@@ -180,4 +184,4 @@ def _export_step(name: str, target: str | Path, args: list, work: Path, round_: 
     graph, weights = (float(split.group(1)), float(split.group(2))) if split else (0.0, 0.0)
     size = sum(p.stat().st_size for p in out.parent.iterdir())
     shutil.rmtree(out.parent)
-    return Step(name, run.seconds, run.peak_bytes, graph, weights, size, round_, copy_s, cpu)
+    return ExportStep(name, run.seconds, run.peak_bytes, graph, weights, size, round_, copy_s, cpu)

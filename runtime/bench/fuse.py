@@ -64,7 +64,7 @@ synthetic.build_synthetic(spec, path, external=True)
 
 
 @dataclass
-class Step:
+class FuseStep:
     name: str
     seconds: float  # the work: for the fuse steps, load to written output as fuse_onnx.py times it
     peak_bytes: int
@@ -87,7 +87,7 @@ class ShapeResult:
     shape: str
     model_bytes: int
     group_weight_bytes: int
-    steps: list[Step] = field(default_factory=list)
+    steps: list[FuseStep] = field(default_factory=list)
     load: tuple[float, float] = (0.0, 0.0)  # 1-minute load average before and after the fusion steps
     # Bytes the kernel reclaimed in the allocating processes' own path during the timed steps (None: no
     # /proc/vmstat). Above zero, memory ran short and every write paid for it (docs/scale.md, ninth pass).
@@ -169,14 +169,16 @@ def bench_shape(
         seconds, measured = min(runs, key=lambda run: run[0])
         every = [run[0] for run in runs]
         peak = max(m.peak_bytes for _, m in runs)
-        step_result = Step(step, seconds, peak, seconds / copy, bound, time_bound, measured.seconds, every)
+        step_result = FuseStep(
+            step, seconds, peak, seconds / copy, bound, time_bound, measured.seconds, every
+        )
         step_result.median_vs_copy = statistics.median(every) / copy_median
         if step != "copy":
             step_result.paired_vs_copy = paired_ratio(every, copies)
         result.steps.append(step_result)
     log(f"{name}: fuse + validation ...")
     work, measured = _fuse(Fusion(ROOT, [model, plans["fold"], *out]), folder, "fuse + validation")
-    validation = Step("fuse + validation", work, measured.peak_bytes, work / copy, VALIDATE_RSS_BOUND)
+    validation = FuseStep("fuse + validation", work, measured.peak_bytes, work / copy, VALIDATE_RSS_BOUND)
     validation.total_seconds = measured.seconds
     result.steps.append(validation)
     if stages:
@@ -197,7 +199,7 @@ def bench_shape(
             measured = _checked(measure(target, args), step)
             _remove(folder / "fp8.onnx", folder / "tp8", folder / "analysis")
             result.steps.append(
-                Step(
+                FuseStep(
                     step,
                     measured.seconds,
                     measured.peak_bytes,
@@ -211,7 +213,7 @@ def bench_shape(
         args = [model, "--fp8", "--scales", scales, "--out", folder / "engines"]
         measured = _checked(measure(ROOT / "tools" / "build_engines.py", args), "engine build")
         result.steps.append(
-            Step("FP8 engine build", measured.seconds, measured.peak_bytes, measured.seconds / copy)
+            FuseStep("FP8 engine build", measured.seconds, measured.peak_bytes, measured.seconds / copy)
         )
     _remove(folder)
     return result

@@ -140,7 +140,7 @@ def _percentiles(values: list[float], scale: float = 1e3) -> tuple[float, float,
     return float(p[0]), float(p[1]), float(p[2])
 
 
-def summarize(label: str, concurrency: int, results: list[RequestResult], wall: float) -> Summary:
+def summarize_wave(label: str, concurrency: int, results: list[RequestResult], wall: float) -> Summary:
     ok = [r for r in results if r.ok]
     tokens = sum(r.output_tokens for r in ok)
     ttft = _percentiles([r.ttft_s for r in ok])
@@ -207,7 +207,7 @@ def run(
                 done, total = collected[target.label]
                 collected[target.label] = (done + results, total + wall)
         for target in targets:
-            summary = summarize(target.label, concurrency, *collected[target.label])
+            summary = summarize_wave(target.label, concurrency, *collected[target.label])
             summaries.append(summary)
             log(
                 f"concurrency {concurrency:3d} {target.label:>10}: {summary.output_tokens_per_s:8.1f} tok/s, "

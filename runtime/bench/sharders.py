@@ -18,9 +18,9 @@ import numpy as np
 import onnx
 
 from exporters.spec import BlockSpec, ModelSpec, super49b_spec
+from passes.error_measures import max_abs_relative_error
 from passes.io.model_io import load_model, save_model
 from passes.io.sessions import open_session
-from passes.metrics import max_abs_relative_error
 from passes.pipeline import fuse_file
 from passes.plan import Plan
 from passes.quant.calibrate import calibrate

@@ -13,8 +13,8 @@ import numpy as np
 from passes.run.block_runner import BlockRunner
 from runtime.heal.ffn import concatenated
 from runtime.heal.fit import refit_down, relative_squared_error
-from runtime.heal.records import HealConfig
-from runtime.heal.shapes import RunShape
+from runtime.heal.input_limits import RunShape
+from runtime.heal.metadata import HealConfig
 from runtime.heal.streams import token_rows
 
 

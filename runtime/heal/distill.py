@@ -40,9 +40,9 @@ from passes.run.block_runner import BlockRunner
 from passes.validate import exactness_tolerance
 from runtime.heal.ffn import FusedFFN, GroupWeights, fingerprint
 from runtime.heal.fit import fit, relative_squared_error
+from runtime.heal.metadata import DEFAULT_CONFIG, GroupHeal, HealConfig, HealResult
 from runtime.heal.pair import HealPair, load_pair
 from runtime.heal.parallel import ParallelFFNs
-from runtime.heal.records import DEFAULT_CONFIG, GroupHeal, HealConfig, HealResult
 from runtime.heal.streams import Streams, token_rows
 from runtime.heal.transplant import check_origin, read_healed
 from runtime.heal.write import check_written, save_arrays, write_healed

@@ -13,8 +13,8 @@ import numpy as np
 import torch
 
 from runtime.heal.ffn import FusedFFN
+from runtime.heal.metadata import HealConfig
 from runtime.heal.parallel import ParallelFFNs
-from runtime.heal.records import HealConfig
 
 
 def relative_squared_error(pred: np.ndarray, x: np.ndarray, y: np.ndarray) -> float:

@@ -18,8 +18,8 @@ from passes.plan import Plan
 from passes.reference import parallel_sum
 from passes.validate import plan_from_metadata
 from runtime.heal.ffn import GroupWeights
-from runtime.heal.records import HEAL_METADATA_KEY
-from runtime.heal.shapes import RunShape
+from runtime.heal.input_limits import RunShape
+from runtime.heal.metadata import HEAL_METADATA_KEY
 
 
 @dataclass

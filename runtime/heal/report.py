@@ -15,8 +15,8 @@ import numpy as np
 from passes.model_map import vocab_size
 from runtime.evaluate import QualityResult, evaluate, format_table
 from runtime.heal.distill import heal
+from runtime.heal.metadata import DEFAULT_CONFIG, HealConfig, HealResult
 from runtime.heal.pair import load_pair
-from runtime.heal.records import DEFAULT_CONFIG, HealConfig, HealResult
 from runtime.text_sets import TextSet, calibration_windows, evaluation_sets
 
 

@@ -19,8 +19,8 @@ from passes.model_map import find_blocks
 from passes.run.block_runner import BlockRunner
 from passes.validate import exactness_tolerance, plan_from_metadata
 from runtime.heal.ffn import GroupWeights, fingerprint
+from runtime.heal.metadata import HEAL_METADATA_KEY, GroupHeal, HealConfig, HealResult
 from runtime.heal.pair import HealPair
-from runtime.heal.records import HEAL_METADATA_KEY, GroupHeal, HealConfig, HealResult
 from runtime.heal.streams import token_rows
 from runtime.heal.write import save_arrays
 

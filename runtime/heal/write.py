@@ -19,9 +19,9 @@ from passes.run.block_runner import BlockRunner
 from passes.run.cut import NameGraph, fill_stream_types, split_skip_norms, stream_names
 from passes.validate import contribution_error
 from runtime.heal.ffn import GroupWeights
+from runtime.heal.metadata import HEAL_METADATA_KEY, HealResult
 from runtime.heal.pair import HealPair
 from runtime.heal.parallel import ParallelFFNs, pack
-from runtime.heal.records import HEAL_METADATA_KEY, HealResult
 
 
 def save_arrays(folder: Path, name: str, weights: GroupWeights) -> dict[str, Path]:

@@ -19,10 +19,10 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from passes.error_measures import max_abs_relative_error
 from passes.errors import UserError
 from passes.graph_inputs import Signature
 from passes.io.sessions import CPU, open_session
-from passes.metrics import max_abs_relative_error
 from passes.shard import COLLECTIVE_OP, rank_onnx_files, read_manifest
 
 __all__ = [

@@ -98,10 +98,10 @@ def test_linear_branch_shards_row_parallel(linear_nemotron, tmp_path, tp) -> Non
     its share of the replicated input features and multiplies by its rows; the all-reduce sums them."""
     import onnx
 
+    from passes.error_measures import max_abs_relative_error
     from passes.io.sessions import open_session
-    from passes.metrics import max_abs_relative_error
     from passes.shard import shard_file
-    from passes.shard.graph import find_structure
+    from passes.shard.roles import find_structure
     from runtime.tp.ort import run_simulated
 
     source = linear_nemotron[1]

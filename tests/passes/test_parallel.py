@@ -15,7 +15,7 @@ from exporters.decode import export_spec_decode
 from exporters.llama import build_model
 from exporters.onnx_export import export_spec_model
 from exporters.spec import BlockSpec, ModelSpec
-from passes.display import format_block_table
+from passes.block_table import format_block_table
 from passes.errors import UserError
 from passes.graph_inputs import Signature
 from passes.io.model_io import load_model

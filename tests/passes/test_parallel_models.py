@@ -126,7 +126,7 @@ def test_smollm2_hf_folder_and_optimum_exports(tmp_path) -> None:
 
     from exporters.hf.checkpoint import export_hf
     from exporters.hf.folder import save_smollm2
-    from passes.metrics import max_abs_relative_error
+    from passes.error_measures import max_abs_relative_error
     from passes.shard import count_allreduces
     from tests.corpora.third_party import export_optimum
     from tests.passes.shard.test_parallel_groups import _over_gloo

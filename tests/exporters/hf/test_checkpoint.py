@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from exporters.hf.checkpoint import METADATA_KEY, export_hf
-from exporters.results import ExportResult
+from exporters.export_record import ExportResult
 from tests.exporters.hf_fixtures import (
     LLAMA3_ROPE,
     deci_block,
@@ -556,7 +556,7 @@ def test_nemotron_block_table(tool, nemotron_fp32) -> None:
 @pytest.mark.parametrize("kind", ["nemotron_linear", "nemotron", "llama"])
 def test_fuse_fp8_and_shard(kind, nemotron_fp32, shardable_nemotron, llama_dropped, tmp_path) -> None:
     from passes.io.model_io import load_model, save_model
-    from passes.metrics import max_abs_relative_error
+    from passes.error_measures import max_abs_relative_error
     from passes.pipeline import fuse_file
     from passes.plan import parse_plan
     from passes.quant.calibrate import calibrate

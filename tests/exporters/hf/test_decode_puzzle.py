@@ -17,7 +17,7 @@ from exporters.decode import METADATA_KEY
 from exporters.hf.checkpoint import export_hf
 from exporters.hf.synthetic import write_all_kinds
 from passes.graph_inputs import Signature
-from passes.metrics import max_abs_relative_error
+from passes.error_measures import max_abs_relative_error
 from runtime.generate import DecodeModel, greedy_generate
 from tests.exporters.hf.test_checkpoint import reference_logits, run_onnx
 from tests.exporters.hf_fixtures import PUZZLE_CACHE_HEADS, PUZZLE_VOCAB, puzzle_models

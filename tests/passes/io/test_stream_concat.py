@@ -1,5 +1,5 @@
-"""Chunked writing of fused weights (passes/io/stream_concat.py, written by passes/io/tensor_writer.py) against a
-plain numpy concatenation."""
+"""Chunked writing of fused weights (passes/io/stream_concat.py, written by passes/io/tensor_writer.py)
+against a plain numpy concatenation."""
 
 from __future__ import annotations
 

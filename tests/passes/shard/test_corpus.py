@@ -3,7 +3,7 @@ GenAI,
 TorchScript, ORT optimizer and dynamo opset 18/23 wrote it), run over gloo: one torchrun launch per tp,
 several graphs per launch, each against the single-device graph in ONNX Runtime.
 
-SmolLM2 has 9 heads and 3 KV heads, so every tp pads heads (passes.shard.plan). Each graph runs at one tp
+SmolLM2 has 9 heads and 3 KV heads, so every tp pads heads (passes.shard.partition). Each graph runs at one tp
 to keep CI time bounded; the largest at tp=8.
 """
 
@@ -20,9 +20,9 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 
+from passes.error_measures import max_abs_relative_error
 from passes.graph_inputs import Signature
 from passes.io.data_files import data_file_names
-from passes.metrics import max_abs_relative_error
 from passes.shard import shard_file
 from runtime.tp.ort import run_simulated
 from tests.corpora.fixtures import third_party_corpus  # noqa: F401

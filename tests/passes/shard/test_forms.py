@@ -1,8 +1,9 @@
 """Sharding graphs the project did not write (tests/shard_forms.py) and head counts no tp divides.
 
 Each graph has SmolLM2's heads (9 query heads, 3 KV heads); tp=2, 4 and 8 pad them with zero heads
-(passes.shard.plan), which must be exact: the rank graphs, run in one process (runtime.tp.ort.run_simulated),
-give the single-device logits, and those match an independent float64 torch run of the same model.
+(passes.shard.partition), which must be exact: the rank graphs, run in one process
+(runtime.tp.ort.run_simulated), give the single-device logits, and those match an independent float64 torch
+run of the same model.
 """
 
 from __future__ import annotations
@@ -16,14 +17,14 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 
+from passes.error_measures import max_abs_relative_error
 from passes.errors import UserError
 from passes.graph import NoMatch
-from passes.metrics import max_abs_relative_error
 from passes.model_map import walk_stream
 from passes.patterns.attention import match_attention
 from passes.shard import shard_file
-from passes.shard.graph import find_structure
-from passes.shard.plan import PAD, HeadPlan, head_columns
+from passes.shard.partition import PAD, HeadPlan, head_columns
+from passes.shard.roles import find_structure
 from runtime.tp.ort import run_simulated
 from tests import shard_forms
 

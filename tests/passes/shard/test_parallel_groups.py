@@ -17,8 +17,8 @@ import pytest
 
 from exporters.decode import export_spec_decode
 from exporters.onnx_export import export_spec_model
+from passes.error_measures import max_abs_relative_error
 from passes.io.model_io import load_model
-from passes.metrics import max_abs_relative_error
 from passes.model_map import build_model_map
 from passes.pipeline import fuse_file
 from passes.plan import parse_plan

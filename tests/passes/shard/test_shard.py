@@ -18,9 +18,9 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 
+from passes.error_measures import max_abs_relative_error
 from passes.errors import UserError
 from passes.io.data_files import data_file_names
-from passes.metrics import max_abs_relative_error
 from passes.shard import (
     COLLECTIVE_DOMAIN,
     count_allreduces,
@@ -168,7 +168,7 @@ def test_gqa_rank_keeps_the_kv_head_its_queries_use(models: TpModels, tmp_path: 
 
 
 def _projection_names(model: ir.Model) -> dict[str, str]:
-    from passes.shard.graph import find_structure
+    from passes.shard.roles import find_structure
 
     branch = find_structure(model).attention[0]
     refs = {"q": branch.q, "k": branch.k, "v": branch.v, "o": branch.row}
@@ -216,7 +216,7 @@ def test_rank_graph_layout_and_manifest(models: TpModels, tmp_path: Path) -> Non
 def test_padding_is_zero_and_exact(models: TpModels) -> None:
     model = ir.load(models.fused)
     shard_in_memory(model, 8, 7)  # last rank: columns 189..215 of a 212-wide FFN, 3 of them padding
-    from passes.shard.graph import find_structure
+    from passes.shard.roles import find_structure
 
     widths = {}
     for node in model.graph:
@@ -432,7 +432,7 @@ def test_decode_batch_read_from_a_past_input(decode_models, tmp_path: Path) -> N
 
 
 def test_decode_cache_roles_found_by_structure(decode_models) -> None:
-    from passes.shard.graph import find_structure
+    from passes.shard.roles import find_structure
 
     structure = find_structure(ir.load(decode_models("decode")))
     caches = [(c.past.name, c.kind, c.present.name) for b in structure.attention for c in b.caches]

@@ -11,7 +11,7 @@ import numpy as np
 from exporters.synthetic import SyntheticSpec, build_synthetic
 from passes.pipeline import fuse_file
 from passes.plan import Plan
-from runtime.heal.records import HealConfig
+from runtime.heal.metadata import HealConfig
 from runtime.heal.report import run_heal
 
 # Groups starting at an attention block (its attention stays) and a plain block between the groups.

@@ -11,7 +11,7 @@ from passes.plan import Plan
 from passes.run import block_runner as runner
 from runtime.heal.costs import HealedCosts
 from runtime.heal.distill import heal
-from runtime.heal.records import HealConfig
+from runtime.heal.metadata import HealConfig
 from runtime.text_sets import windows
 
 

@@ -18,7 +18,7 @@ from passes.io.model_io import load_model, save_model
 from passes.pipeline import fuse_file
 from passes.plan import Plan
 from runtime.generate import DecodeModel, greedy_generate
-from runtime.heal.records import HEAL_METADATA_KEY, HealConfig
+from runtime.heal.metadata import HEAL_METADATA_KEY, HealConfig
 from runtime.heal.report import run_heal
 from tests import decode_fixtures
 

@@ -22,7 +22,7 @@ from passes.pipeline import fuse_file
 from passes.plan import parse_plan
 from runtime.heal.distill import heal
 from runtime.heal.ffn import GroupWeights
-from runtime.heal.records import HEAL_METADATA_KEY
+from runtime.heal.metadata import HEAL_METADATA_KEY
 from runtime.heal.report import run_heal
 from runtime.text_sets import windows
 from tests.passes.test_parallel import PLAN, SEED, spec

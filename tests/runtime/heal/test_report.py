@@ -7,7 +7,7 @@ import pytest
 
 from passes.pipeline import fuse_file
 from passes.plan import Plan
-from runtime.heal.records import HealConfig
+from runtime.heal.metadata import HealConfig
 from runtime.heal.report import run_heal
 from tests.runtime.heal.synthetic import PLAN_GROUPS
 

@@ -18,7 +18,7 @@ from passes.io.sessions import ORT_DISABLED_OPTIMIZERS
 from passes.quant.calibrate import calibrate
 from passes.quant.fp8 import quantize_fp8
 from runtime.heal.distill import heal
-from runtime.heal.records import HEAL_METADATA_KEY, HealConfig
+from runtime.heal.metadata import HEAL_METADATA_KEY, HealConfig
 from runtime.text_sets import windows
 from tests.runtime.heal.synthetic import PLAN_GROUPS, SMALL
 

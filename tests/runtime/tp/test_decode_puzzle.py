@@ -11,8 +11,8 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from passes.error_measures import max_abs_relative_error
 from passes.graph_inputs import Signature
-from passes.metrics import max_abs_relative_error
 from passes.shard import rank_onnx_files
 from runtime.backends import Backend, OrtBackend, TpRankBackend
 from runtime.generate import DecodeModel, greedy_generate

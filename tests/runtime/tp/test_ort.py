@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 import pytest
 
-from passes.metrics import max_abs_relative_error
+from passes.error_measures import max_abs_relative_error
 from passes.shard import count_allreduces, shard_file
 from runtime.tp.ort import RankProgram, run_simulated, split_rank_graph
 from tests.passes.shard.test_shard import TOLERANCE, TpModels, build_models, single_device, tokens
@@ -84,7 +84,7 @@ def smollm2_fused(smollm2_pruned_onnx: Path, tmp_path_factory: pytest.TempPathFa
 
 def _smollm2_over_gloo(sources: list[Path], tp: int, tmp_path: Path) -> list[float]:
     """Shard each source at `tp`, run all of them in one torchrun launch, return the relative errors."""
-    from passes.shard.plan import HeadPlan
+    from passes.shard.partition import HeadPlan
 
     ids = np.random.default_rng(tp).integers(0, 49152, (2, 9)).astype(np.int64)
     np.save(tmp_path / "ids.npy", ids)

@@ -13,8 +13,8 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from passes.error_measures import max_abs_relative_error
 from passes.graph_inputs import Signature
-from passes.metrics import max_abs_relative_error
 from passes.shard import count_allreduces, rank_onnx_files, shard_file
 from runtime.backends import OrtBackend, TpRankBackend
 from runtime.ports import free_port

@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 
 from passes.errors import UserError
-from passes.shard.graph import Branch, TpStructure, WeightRef
+from passes.shard.roles import Branch, TpStructure, WeightRef
 
 VALID_TP = (1, 2, 4, 8)
 PAD = -1  # an index that reads as zero (padding)

@@ -1,11 +1,11 @@
-"""The two relative errors (passes/metrics.py) say what they compute, and differ where they should."""
+"""The two relative errors (passes/error_measures.py) say what they compute, and differ where they should."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from passes.metrics import cosine, l2_relative_error, max_abs_relative_error
+from passes.error_measures import cosine, l2_relative_error, max_abs_relative_error
 
 
 def test_l2_and_max_abs_against_hand_computed_values():
