@@ -19,7 +19,7 @@ import onnx_ir as ir
 
 from passes.errors import UserError
 from passes.io.model_io import load_model, load_proto
-from passes.model_map import PLAN_METADATA_KEY
+from passes.model_map import HF_METADATA_KEY, PLAN_METADATA_KEY
 from passes.shard.roles import WeightRef, find_structure
 from passes.shard.value_types import walk_type
 
@@ -164,19 +164,29 @@ def allreduce_line(path: str | Path) -> str:
     group of k FFNs, 2k - 2 per parallel group of k blocks."""
     path = Path(path)
     line = f"{path}: {count_allreduces(path)} all-reduces per forward pass"
-    recorded = load_proto(path).metadata_props
-    plan = next((json.loads(p.value) for p in recorded if p.key == PLAN_METADATA_KEY), None)
+    recorded = {p.key: p.value for p in load_proto(path).metadata_props}
+    plan = json.loads(recorded[PLAN_METADATA_KEY]) if PLAN_METADATA_KEY in recorded else None
     if plan is None:
         return line
     notes = []
     if groups := plan.get("groups", []):
-        removed = sum(j - i for i, j in groups)
+        removed = sum(_ffn_members(recorded, i, j) - 1 for i, j in groups)
         notes.append(f"fused: {len(groups)} group(s), {removed} FFN all-reduce(s) removed")
     if parallel := plan.get("parallel_blocks", []):
         removed = sum(2 * (j - i) for i, j in parallel)
         shown = ", ".join(f"[{i}, {j}]" for i, j in parallel)
         notes.append(f"parallel blocks {shown}: 2 all-reduces per group, {removed} removed")
     return line + (f" ({'; '.join(notes)})" if notes else "")
+
+
+def _ffn_members(metadata: dict[str, str], first: int, last: int) -> int:
+    """SwiGLU FFNs a group [first, last] fused: by the exporter's layer map when the model has one (an
+    identity or attention-only layer inside a group has no FFN), else every layer of the group."""
+    try:
+        kinds = json.loads(metadata[HF_METADATA_KEY])["layer_kinds"][first : last + 1]
+        return sum(kind.split("+")[1].startswith("swiglu") for kind in kinds)
+    except (KeyError, IndexError, TypeError, ValueError):
+        return last - first + 1
 
 
 def collective_op(node: ir.Node) -> str:

@@ -8,6 +8,7 @@ graph."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import openai
@@ -84,7 +85,10 @@ def test_fp8_engine_and_tp2_shards(path, tool, tmp_path) -> None:
     tool("build_engines", path["decode_healed"], "--fp8", "--calib", rows, *SHAPES, "--out", out, check=True)
     assert (out / "model_fp8.engine").stat().st_size > 0
     count = tool("shard_tp", path["decode"], path["decode_healed"], "--count", check=True).stdout
-    assert "served" in count or "model.onnx" in count
+    before, after = (int(re.search(r": (\d+) all-reduces", line)[1]) for line in count.splitlines()[:2])
+    removed = int(re.search(r"fused: 1 group\(s\), (\d+) FFN all-reduce\(s\) removed", count)[1])
+    # [1, 3] fuses the FFNs of blocks 1 and 3 (block 2 is an identity layer): one all-reduce fewer
+    assert before - after == removed == 1, count
 
 
 def test_healed_decode_graph_and_its_tp2_ranks_serve_the_prefill_tokens(path, tool) -> None:
