@@ -39,13 +39,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from exporters.hf.config import DTYPES, HfConfig, decode_spec, expected_tensors, layer_kinds, read_config
 from exporters.export_record import ExportResult
+from exporters.hf.config import DTYPES, HfConfig, decode_spec, expected_tensors, layer_kinds, read_config
 from passes.errors import UserError
 from passes.io.file_copy import copy_range, write_at
 from passes.io.staging import commit_output, staged_output
 
 if TYPE_CHECKING:  # onnx_ir (~1.5 s to import) and torch (--decode only) load once the weight copy runs
+    import numpy as np
     import onnx_ir as ir
 
     from exporters.decode_spec import DecodeSpec
@@ -605,3 +606,18 @@ def _convert(src: int, entry: TensorEntry, fd: int, offset: int, dtype: str) -> 
         write_at(fd, data.view(np.uint8), offset + written)
         written += data.nbytes
     return written
+
+
+def read_tensor_rows(entry: TensorEntry, start: int, stop: int) -> np.ndarray:
+    """Rows start:stop of a checkpoint tensor (a vector is one row), in its own dtype, read from the shard."""
+    import ml_dtypes
+    import numpy as np
+
+    numpy_dtypes = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+    dtype = np.dtype(numpy_dtypes[_SAFETENSORS_DTYPES[entry.dtype]])
+    cols = entry.shape[-1] if len(entry.shape) == 2 else math.prod(entry.shape)
+    row_bytes = cols * dtype.itemsize
+    with open(entry.file, "rb") as f:
+        f.seek(entry.start + start * row_bytes)
+        raw = f.read((stop - start) * row_bytes)
+    return np.frombuffer(raw, dtype=dtype).reshape(stop - start, cols)

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from runtime.bench.export import _BUILD, _children_cpu
+from runtime.bench.export import _BUILD, _children_cpu  # the same checkpoint and CPU accounting
 from runtime.bench.peak_memory import measure, timed_copy
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,7 +44,7 @@ fuse_file(work / "onnx" / "model.onnx", plan, work / "fused" / "model.onnx", val
 
 
 @dataclass
-class Step:
+class CheckpointStep:
     name: str
     round: int
     seconds: float
@@ -59,7 +59,7 @@ class CheckpointBench:
     layers: int
     hidden: int
     groups: int
-    steps: list[Step]
+    steps: list[CheckpointStep]
 
     def ratios(self) -> list[float]:
         copies = {s.round: s.seconds for s in self.steps if s.name == "copy"}
@@ -119,7 +119,7 @@ def bench(
         cpu = _children_cpu()
         copied = timed_copy(data, work / "copy")
         cpu = _children_cpu() - cpu
-        steps.append(Step("copy", round_, copied.seconds, cpu, copied.peak_bytes, data_bytes))
+        steps.append(CheckpointStep("copy", round_, copied.seconds, cpu, copied.peak_bytes, data_bytes))
         shutil.rmtree(work / "copy")
         subprocess.run(["sync"], check=False)
         out = work / "out"
@@ -128,6 +128,7 @@ def bench(
         if run.code != 0:
             raise RuntimeError(f"export_checkpoint failed: {run.output[-800:]}")
         size = sum(p.stat().st_size for p in out.iterdir())
-        steps.append(Step("export", round_, run.seconds, _children_cpu() - cpu, run.peak_bytes, size))
+        cpu = _children_cpu() - cpu
+        steps.append(CheckpointStep("export", round_, run.seconds, cpu, run.peak_bytes, size))
         shutil.rmtree(out)
     return CheckpointBench(data_bytes, layers, hidden, groups, steps)
