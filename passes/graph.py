@@ -2,14 +2,30 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 import numpy as np
 import onnx_ir as ir
 
+from passes.shapes import graph_shapes
+
+T = TypeVar("T")
+
 
 class NoMatch(Exception):
     """A recognizer did not match; the message says what it found instead."""
+
+
+class _Progress(threading.local):
+    """How many nodes the recognizers have matched so far (in this thread): `first_match` compares attempts
+    by it."""
+
+    matched = 0
+
+
+_progress = _Progress()
 
 
 def producer(value: ir.Value | None, *op_types: str) -> ir.Node:
@@ -18,12 +34,34 @@ def producer(value: ir.Value | None, *op_types: str) -> ir.Node:
     if node is None or node.op_type not in op_types:
         found = "a graph input or initializer" if node is None else node.op_type
         raise NoMatch(f"expected {' or '.join(op_types)}, found {found}")
+    _progress.matched += 1
     return node
 
 
 def maybe_producer(value: ir.Value | None, *op_types: str) -> ir.Node | None:
     node = value.producer() if value is not None else None
-    return node if node is not None and node.op_type in op_types else None
+    if node is None or node.op_type not in op_types:
+        return None
+    _progress.matched += 1
+    return node
+
+
+def first_match(*attempts: Callable[[], T]) -> T:
+    """The result of the first attempt that matches. When none does, the NoMatch of the attempt that got
+    furthest (matched the most nodes): a recognizer that tries a Mul's operands in both orders must say why
+    the right order failed, not the wrong one. Attempts that got equally far give both reasons."""
+    failures: list[tuple[int, NoMatch]] = []
+    for attempt in attempts:
+        before = _progress.matched
+        try:
+            return attempt()
+        except NoMatch as exc:
+            failures.append((_progress.matched - before, exc))
+    furthest = max(depth for depth, _ in failures)
+    reasons = list(dict.fromkeys(str(exc) for depth, exc in failures if depth == furthest))
+    if len(reasons) == 1:
+        raise next(exc for depth, exc in failures if depth == furthest)
+    raise NoMatch("; or ".join(reasons))
 
 
 def constant(value: ir.Value | None) -> np.ndarray | None:
@@ -78,11 +116,26 @@ def reduce_axes(node: ir.Node) -> list[int] | None:
     return None if axes is None else [int(a) for a in axes]
 
 
+def rank(value: ir.Value | None) -> int | None:
+    """The rank of `value`: its annotation, else what the shape interpreter computes from the graph's inputs
+    (a loaded graph has no value_info on computed tensors); None when neither knows."""
+    if value is None:
+        return None
+    if value.shape is not None:
+        return value.shape.rank()
+    graph = value.graph
+    shape = graph_shapes(graph).get(value).shape if graph is not None else None
+    return None if shape is None else len(shape)
+
+
 def is_last_axis(axes: list[int] | None, value: ir.Value) -> bool:
+    """`axes` is the last axis of `value`: -1, or rank - 1 where the rank is known (never a guess)."""
     if axes is None or len(axes) != 1:
         return False
-    rank = value.shape.rank() if value.shape is not None else None
-    return axes[0] == -1 or (rank is not None and axes[0] == rank - 1)
+    if axes[0] == -1:
+        return True
+    known = rank(value) if axes[0] >= 0 else None
+    return known is not None and axes[0] == known - 1
 
 
 def graph_values(graph: ir.Graph) -> Iterable[ir.Value]:

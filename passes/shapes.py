@@ -4,7 +4,8 @@ Every tensor gets a shape whose dims are `Dim` monomials (an integer times named
 "batch" and "seq"), and small integer tensors (shape vectors) also get their values, so that the shape
 arguments of Reshape/Expand can be followed from `Shape(input_ids)` through Concat/Slice/Gather.
 Each op's rule is one small function in `RULES`, keyed by (domain, op type); an op without a rule gets
-unknown outputs (or the exporter's annotation, in `World`).
+unknown outputs (or the exporter's annotation, in `World`), and so does, in `World`, a node whose input
+shapes its rule cannot reconcile (`World.run` never raises on a graph: the recognizers read it).
 
 `World` runs it over a graph as the single-device model computes it; passes.shard.dims runs it again as
 one tensor-parallel rank sees it.
@@ -133,7 +134,11 @@ def info_from_tensor(tensor: ir.TensorProtocol) -> Info:
 
 
 def broadcast(a: Dims | None, b: Dims | None) -> Dims | None:
-    """Numpy broadcasting of two shapes; raises ValueError on a conflict."""
+    """Numpy broadcasting of two shapes; raises ValueError on a conflict of two integers.
+
+    A symbolic dim may be 1 at run time, so against an integer other than 1 it broadcasts to that integer,
+    and two different symbolic dims (a mask's 'total' and the scores' 'seq', equal in a prefill graph)
+    broadcast to an unknown dim, as ONNX's own shape inference has it."""
     if a is None or b is None:
         return None
     n = max(len(a), len(b))
@@ -149,8 +154,10 @@ def broadcast(a: Dims | None, b: Dims | None) -> Dims | None:
             out.append(x)
         elif x is None or y is None:
             out.append(x if y is None else y)
-        else:
+        elif x.is_int and y.is_int:
             raise ValueError(f"cannot broadcast {fmt_dims(a)} with {fmt_dims(b)}")
+        else:
+            out.append(x if x.is_int else y if y.is_int else None)
     return tuple(out)
 
 
@@ -668,11 +675,30 @@ class World:
     def run(self) -> World:
         for node in self.graph:
             ins = [self.get(v) for v in node.inputs]
-            outs = infer_node(node, ins)
+            try:
+                outs = infer_node(node, ins)
+            except (ValueError, IndexError, ArithmeticError):
+                # Input shapes its rule cannot reconcile (a graph that would fail at run time, or one the
+                # interpreter misreads): unknown outputs, as for an op without a rule. Readers of the world
+                # (the recognizers) then refuse what they cannot see, instead of crashing on the graph.
+                outs = None
             for k, out in enumerate(node.outputs):
                 computed = outs[k] if outs is not None and k < len(outs) else UNKNOWN
                 self.infos[out] = _prefer(computed, dims_from_ir(out.shape))
         return self
+
+
+_SHAPES_KEY = "ffn_fusion.shapes"
+
+
+def graph_shapes(graph: ir.Graph) -> World:
+    """The symbolic shapes of `graph`, computed once per graph and node count (kept in the graph's own
+    metadata, so they go when the graph goes)."""
+    cached = graph.meta.get(_SHAPES_KEY)
+    if cached is None or cached[0] != len(graph):
+        cached = (len(graph), World(graph).run())
+        graph.meta[_SHAPES_KEY] = cached
+    return cached[1]
 
 
 def _prefer(computed: Info, annotated: Dims | None) -> Info:

@@ -30,7 +30,7 @@ import onnx_ir as ir
 
 from passes.graph import NoMatch, attr, constant
 from passes.patterns.linear import is_linear, linear_shape
-from passes.shapes import World, align, product
+from passes.shapes import World, align, graph_shapes, product
 
 FUSED_OPS = ("Attention", "GroupQueryAttention", "MultiHeadAttention")
 # Ops a projection output may pass through before the Reshape that splits it into heads.
@@ -125,7 +125,8 @@ def end_projection(output: ir.Value | None, nodes: set[ir.Node] | None = None) -
         if len(data) != 1:
             break
         node = data[0].producer()
-    return node if node is not None and is_linear(node) else None
+    inside = node is not None and (nodes is None or node in nodes)
+    return node if inside and is_linear(node) else None
 
 
 def before_projection(nodes: set[ir.Node], projection: ir.Node) -> set[ir.Node]:
@@ -187,19 +188,6 @@ def _downstream_matmul(value: ir.Value, nodes: set[ir.Node]) -> ir.Node | None:
 
 
 # ------------------------------------------------------------------------------------------ shapes
-
-
-_SHAPES_KEY = "ffn_fusion.shapes"
-
-
-def graph_shapes(graph: ir.Graph) -> World:
-    """The symbolic shapes of `graph`, computed once per graph and node count (kept in the graph's own
-    metadata, so they go when the graph goes)."""
-    cached = graph.meta.get(_SHAPES_KEY)
-    if cached is None or cached[0] != len(graph):
-        cached = (len(graph), World(graph).run())
-        graph.meta[_SHAPES_KEY] = cached
-    return cached[1]
 
 
 def _heads_from_reshape(value: ir.Value, nodes: set[ir.Node], world: World) -> tuple[int, int] | None:

@@ -17,6 +17,7 @@ from passes.graph import (
     NoMatch,
     attr,
     constant,
+    first_match,
     is_initializer,
     is_last_axis,
     maybe_producer,
@@ -70,13 +71,12 @@ def _match_normalize(normalized: ir.Value) -> tuple[ir.Value, float]:
     if node.op_type == "Div":
         x, denominator = node.inputs
         return strip_cast(x), _match_mean_square(producer(denominator, "Sqrt").inputs[0], x)
-    for x_index in (0, 1):
-        x, rsqrt = node.inputs[x_index], node.inputs[1 - x_index]
-        try:
-            return strip_cast(x), _match_mean_square(_match_rsqrt(rsqrt), x)
-        except NoMatch as exc:
-            reason = exc
-    raise reason
+    a, b = node.inputs[0], node.inputs[1]
+    return first_match(lambda: _times_rsqrt(a, b), lambda: _times_rsqrt(b, a))
+
+
+def _times_rsqrt(x: ir.Value, rsqrt: ir.Value) -> tuple[ir.Value, float]:
+    return strip_cast(x), _match_mean_square(_match_rsqrt(rsqrt), x)
 
 
 def _match_rsqrt(value: ir.Value) -> ir.Value:
@@ -115,8 +115,10 @@ def _match_mean_square(value: ir.Value, x: ir.Value) -> float:
 def _match_fused(node: ir.Node, output: ir.Value) -> Norm:
     if node.outputs[0] is not output:
         raise NoMatch(f"{node.op_type} output {output.name} is not its normalized output")
-    if node.op_type == "RMSNormalization" and attr(node, "axis", -1) != -1:
-        raise NoMatch("RMSNormalization is not over the last axis")
+    if node.op_type != "SkipSimplifiedLayerNormalization":  # the Skip op has no axis: always the last
+        axis = int(attr(node, "axis", -1))
+        if not is_last_axis([axis], node.inputs[0]):
+            raise NoMatch(f"{node.op_type} is not over the last axis (axis {axis})")
     if node.op_type == "SkipSimplifiedLayerNormalization":
         if len(node.outputs) < 4 or not node.outputs[3].name:
             raise NoMatch("SkipSimplifiedLayerNormalization has no residual-sum output (output 3)")

@@ -13,7 +13,16 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from passes.graph import NoMatch, attr, constant, is_initializer, maybe_producer, producer
+from passes.graph import (
+    NoMatch,
+    attr,
+    constant,
+    first_match,
+    is_initializer,
+    is_last_axis,
+    maybe_producer,
+    producer,
+)
 from passes.patterns.linear import WeightRef, linear_weight
 from passes.patterns.nbits import NBits
 
@@ -83,17 +92,12 @@ class SwiGLU:
 def match_swiglu(output: ir.Value) -> SwiGLU:
     """Recognize the SwiGLU FFN whose down projection produces `output`."""
     hidden, down = _match_linear(output)
-    product = producer(hidden, "Mul")
-    for silu_index in (0, 1):
-        try:
-            gate_out = _match_silu(product.inputs[silu_index])
-            up_out = product.inputs[1 - silu_index]
-            z, gate, up = _match_gate_up(gate_out, up_out)
-            break
-        except NoMatch as exc:
-            reason = exc
-    else:
-        raise reason
+    a, b = producer(hidden, "Mul").inputs[:2]
+    # silu(gate) * up in either order (exporters write silu first)
+    z, gate, up = first_match(
+        lambda: _match_gate_up(_match_silu(a), b),
+        lambda: _match_gate_up(_match_silu(b), a),
+    )
     if not gate.shape == up.shape or gate.shape[1] != down.shape[0]:
         raise NoMatch(f"SwiGLU weight shapes disagree: gate {gate.shape}, up {up.shape}, down {down.shape}")
     return SwiGLU(z, gate, up, down, output)
@@ -123,7 +127,7 @@ def _match_gate_up(gate_out: ir.Value, up_out: ir.Value) -> tuple[ir.Value, Weig
 def _match_split_gate_up(gate_out: ir.Value, up_out: ir.Value) -> tuple[ir.Value, Weight, Weight]:
     gate_node, up_node = gate_out.producer(), up_out.producer()
     fused = gate_node.inputs[0]
-    if up_node is None or up_node.inputs[0] is not fused:
+    if up_node is None or up_node.op_type not in ("Split", "Slice") or up_node.inputs[0] is not fused:
         raise NoMatch("gate and up are not halves of one gate_up projection")
     z, weight = _match_linear(fused)
     gate_cols, up_cols = _columns(gate_node, gate_out, weight), _columns(up_node, up_out, weight)
@@ -138,20 +142,35 @@ def _columns(node: ir.Node, value: ir.Value, weight: Weight) -> tuple[int, int]:
     """The column range of the gate_up output that a Split output or a Slice selects."""
     width = weight.shape[1]
     if node.op_type == "Split":
-        if attr(node, "axis", 0) not in (-1, 1, 2):
+        if not is_last_axis([int(attr(node, "axis", 0))], node.inputs[0]):
             raise NoMatch("gate_up Split is not along the last axis")
-        sizes = constant(node.inputs[1]) if len(node.inputs) > 1 else attr(node, "split", None)
-        sizes = [width // len(node.outputs)] * len(node.outputs) if sizes is None else [int(s) for s in sizes]
+        given = node.inputs[1] if len(node.inputs) > 1 else None
+        sizes = constant(given) if given is not None else attr(node, "split", None)
+        count = len(node.outputs)
+        if (given is not None and sizes is None) or (sizes is None and width % count):
+            raise NoMatch("gate_up Split sizes are not constant, or not equal parts")
+        sizes = [width // count] * count if sizes is None else [int(s) for s in np.reshape(sizes, -1)]
         index = list(node.outputs).index(value)
         start = sum(sizes[:index])
         return start, start + sizes[index]
     starts, ends = constant(node.inputs[1]), constant(node.inputs[2])
-    axes = constant(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3] is not None else None
-    last_axis = axes is None or int(axes[0]) in (-1, 2)
-    if starts is None or ends is None or starts.size != 1 or not last_axis:
+    axes, steps = _slice_input(node, 3, default=0), _slice_input(node, 4, default=1)
+    ranges = (starts, ends, axes, steps)
+    if any(a is None or a.size != 1 for a in ranges) or int(steps[0]) != 1:
         raise NoMatch("gate_up Slice is not a constant range of the last axis")
-    start, end = int(starts[0]), min(int(ends[0]), width)
+    if not is_last_axis([int(axes[0])], node.inputs[0]):
+        raise NoMatch("gate_up Slice is not a constant range of the last axis")
+    start, end = int(starts.reshape(-1)[0]), min(int(ends.reshape(-1)[0]), width)
     return start % width if start < 0 else start, end % width if end < 0 else end
+
+
+def _slice_input(node: ir.Node, index: int, default: int) -> np.ndarray | None:
+    """A Slice's optional axes or steps: the constant, the default when absent (axis 0, step 1), None when
+    computed."""
+    if len(node.inputs) <= index or node.inputs[index] is None:
+        return np.array([default])
+    value = constant(node.inputs[index])
+    return None if value is None else value.reshape(-1)
 
 
 def _match_linear(output: ir.Value) -> tuple[ir.Value, Weight]:

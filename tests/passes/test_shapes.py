@@ -9,7 +9,7 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from passes.shapes import UNKNOWN, Dim, Info, World, infer_node
+from passes.shapes import ONE, UNKNOWN, Dim, Info, World, broadcast, infer_node
 
 FLOAT = TensorProto.FLOAT
 
@@ -211,3 +211,19 @@ def test_broadcast_conflict_raises() -> None:
     node = ir.node("Add", [ir.Value(name="a"), ir.Value(name="b")])
     with pytest.raises(ValueError, match=r"cannot broadcast \[2, 3\] with \[1, 4\]"):
         infer_node(node, [Info((Dim(2), Dim(3))), Info((Dim(4),))])
+
+
+def test_broadcast_of_symbolic_dims_follows_onnx() -> None:
+    """A symbol may be 1 at run time: against an integer it gives the integer, against another symbol an
+    unknown dim (a mask's 'total' and the scores' 'seq'); only two integers conflict."""
+    batch, seq, total = Dim.of("batch"), Dim.of("seq"), Dim.of("total")
+    assert broadcast((batch, Dim(4), seq, seq), (batch, ONE, seq, total)) == (batch, Dim(4), seq, None)
+    assert broadcast((seq, Dim(4)), (Dim(8), seq)) == (Dim(8), Dim(4))
+
+
+def test_world_gives_unknown_outputs_where_a_rule_cannot_reconcile_its_inputs() -> None:
+    """A graph whose shapes conflict (it would fail at run time): the node's outputs are unknown, not an
+    exception out of World.run (the recognizers read the world and must refuse, not crash)."""
+    model = _model([helper.make_node("Add", ["x", "z"], ["y"])], {"x": [2, 3], "z": [4]})
+    world, values = _world(model)
+    assert world.get(values["y"]).shape is None

@@ -147,11 +147,6 @@ def test_simplified_layer_normalization_contrib_op() -> None:
     np.testing.assert_allclose(f.run({"x": X}), reference(X, norm.eps, f.array(w)), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="recognizer bug: SimplifiedLayerNormalization's axis attribute is not checked (RMSNormalization's "
-    "is), so a norm over axes 1.. is recorded as an RMSNorm over the last axis",
-)
 def test_simplified_layer_normalization_over_axis_1_is_refused() -> None:
     f = Fragment(18)
     x, w = f.input("x", ["batch", 3, H]), f.weight(3, H, offset=1.0)
@@ -309,12 +304,6 @@ def test_layer_norm_mean_subtraction_is_not_the_stream() -> None:
     assert norm.input is f[centered] and norm.input is not f[x]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="recognizer bug: ReduceMean over the positive last axis (design §3) is refused when the "
-    "normalized tensor is computed and the graph has no value_info for it (passes.graph.is_last_axis needs "
-    "value.shape); fp16 models (Cast -> Pow) loaded without shape inference hit it",
-)
 def test_positive_last_axis_of_a_computed_tensor() -> None:
     f = Fragment()
     x = f.op("Add", f.input("a", ["batch", "seq", H]), f.input("b", ["batch", "seq", H]))
@@ -323,8 +312,47 @@ def test_positive_last_axis_of_a_computed_tensor() -> None:
     assert match_rmsnorm(f[out]).input is f[x]
 
 
-# Near-misses below the x * rsqrt(.) Mul. The recognizer tries both operand orders of that Mul; in
-# Mul(rsqrt, x) the order that fits is tried last, so its reason is the one raised.
+def test_positive_last_axis_through_a_cast_of_a_computed_fp16_tensor() -> None:
+    """An fp16 model: the computed stream is cast to float32 before Pow; its rank is read through the Cast."""
+    f = Fragment()
+    x = f.op("Add", f.input("a", ["batch", "seq", H], FLOAT16), f.input("b", ["batch", "seq", H], FLOAT16))
+    out, _ = decomposed(f, x, axes=(2,), cast=True)
+    f.build(out, elem=FLOAT16)
+    assert match_rmsnorm(f[out]).input is f[x]
+
+
+@pytest.mark.parametrize("dims", [["batch", "seq", "heads", H], None], ids=["rank_4", "rank_unknown"])
+def test_positive_axis_is_refused_unless_it_is_known_to_be_the_last(dims) -> None:
+    """ReduceMean over axis 2 of a rank-4 tensor is no RMSNorm over the last axis; where the rank cannot be
+    known (a graph input without a shape), the axis is not guessed."""
+    f = Fragment()
+    x = f.op("Add", f.input("a", dims), f.input("b", dims))
+    out, _ = decomposed(f, x, axes=(2,))
+    f.build(out)
+    with pytest.raises(NoMatch, match="ReduceMean is not over the last axis"):
+        match_rmsnorm(f[out])
+
+
+@pytest.mark.parametrize("op", ["RMSNormalization", "SimplifiedLayerNormalization"])
+def test_fused_op_over_the_positive_last_axis(op: str) -> None:
+    """axis=2 of a rank-3 stream is the last axis (the stream is computed: its rank comes from the graph's
+    inputs); axis=2 where the rank is unknown is refused."""
+    f = Fragment(23)
+    x = f.op("Add", f.input("a", ["batch", "seq", H]), f.input("b", ["batch", "seq", H]))
+    w = f.weight(H, offset=1.0)
+    out = f.op(op, x, w, axis=2, epsilon=EPS)
+    unknown = f.op(op, f.op("Add", f.input("c", None), f.input("d", None)), w, axis=2, epsilon=EPS)
+    f.build(out, unknown)
+    norm = match_rmsnorm(f[out])
+    assert (norm.kind, norm.input, norm.weight) == (op, f[x], f[w])
+    with pytest.raises(NoMatch, match=f"{op} is not over the last axis"):
+        match_rmsnorm(f[unknown])
+    got = f.run({"a": X, "b": X, "c": X, "d": X})
+    np.testing.assert_allclose(got, reference(2 * X, norm.eps, f.array(w)), rtol=1e-5, atol=1e-6)
+
+
+# Near-misses below the x * rsqrt(.) Mul. The recognizer tries both operand orders of that Mul and reports
+# the reason of the order that got furthest, whichever order the graph writes.
 MEAN_SQUARE_NEAR_MISSES = {  # name: (decomposed() keywords, what NoMatch says)
     "mean_over_the_wrong_axis": ({"axes": (1,)}, "ReduceMean is not over the last axis"),
     "mean_over_two_axes": ({"axes": (1, 2)}, "ReduceMean is not over the last axis"),
@@ -354,18 +382,12 @@ def test_mean_square_near_miss_is_refused_with_the_reason(name: str) -> None:
 
 @pytest.mark.parametrize("name", list(MEAN_SQUARE_NEAR_MISSES))
 def test_mean_square_near_miss_is_refused_in_the_exporters_operand_order(name: str) -> None:
-    """Mul(x, rsqrt(.)), as HF's LlamaRMSNorm is exported: refused too (the reason: see the xfail below)."""
+    """Mul(x, rsqrt(.)), as HF's LlamaRMSNorm is exported: refused too (the reason: the test below)."""
     f = _mean_square_near_miss(name, x_first=True)
     with pytest.raises(NoMatch):
         match_rmsnorm(f.model.graph.outputs[0])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="recognizer bug: _match_normalize tries Mul(x, rsqrt) in both operand orders and raises the "
-    "reason of the last order tried; for Mul(x, rsqrt(.)), the order exporters write, that is always "
-    "'expected Reciprocal or Div or Pow, found a graph input or initializer' and the real reason is lost",
-)
 @pytest.mark.parametrize("name", list(MEAN_SQUARE_NEAR_MISSES))
 def test_mean_square_near_miss_reason_in_the_exporters_operand_order(name: str) -> None:
     f = _mean_square_near_miss(name, x_first=True)

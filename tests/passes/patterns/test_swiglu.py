@@ -108,6 +108,25 @@ def test_form_gives_its_record(name: str) -> None:
     np.testing.assert_allclose(f.run({"z": z}), evaluate(record, z), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("op", ["Split", "Slice"])
+def test_gate_up_along_the_positive_last_axis(op: str) -> None:
+    """axis 2 of the rank-3 gate_up output (computed: its rank comes from the graph's inputs) is its last."""
+    f = Fragment()
+    z = f.input("z", ["batch", "seq", H])
+    fused = f.op("MatMul", z, f.weight(H, 2 * W))
+    if op == "Split":
+        gate, up = f.ops("Split", fused, f.ints(W, W), outputs=2, axis=2)
+    else:
+        gate = f.op("Slice", fused, f.ints(0), f.ints(W), f.ints(2))
+        up = f.op("Slice", fused, f.ints(W), f.ints(2 * W), f.ints(2))
+    out = _product(f, f.op("Mul", gate, f.op("Sigmoid", gate)), up, silu_first=True)
+    f.build(out)
+    record = match_swiglu(f[out])
+    assert (record.gate.columns, record.up.columns) == ((0, W), (W, 2 * W))
+    z_value = np.random.default_rng(5).standard_normal((2, 3, H)).astype(np.float32)
+    np.testing.assert_allclose(f.run({"z": z_value}), evaluate(record, z_value), rtol=1e-4, atol=1e-5)
+
+
 def test_half_precision_weights_keep_their_dtype() -> None:
     f = Fragment()
     out, weights = swiglu(f, linear="transpose", half=True)
@@ -183,6 +202,46 @@ def _split_on_axis_0(f: Fragment, silu_first: bool) -> str:
     return _product(f, f.op("Mul", gate, f.op("Sigmoid", gate)), up, silu_first)
 
 
+def _split_on_the_sequence_axis(f: Fragment, silu_first: bool) -> str:
+    """axis 1 is the last axis of a [tokens, 2W] Gemm output, but the sequence axis here."""
+    z = f.input("z", ["batch", "seq", H])
+    gate, up = f.ops("Split", f.op("MatMul", z, f.weight(H, 2 * W)), outputs=2, axis=1, num_outputs=2)
+    return _product(f, f.op("Mul", gate, f.op("Sigmoid", gate)), up, silu_first)
+
+
+def _split_sizes_computed(f: Fragment, silu_first: bool) -> str:
+    z, sizes = f.input("z", ["batch", "seq", H]), f.input("sizes", [2], 7)
+    gate, up = f.ops("Split", f.op("MatMul", z, f.weight(H, 2 * W)), sizes, outputs=2, axis=-1)
+    return _product(f, f.op("Mul", gate, f.op("Sigmoid", gate)), up, silu_first)
+
+
+def _slices_without_axes(f: Fragment, silu_first: bool) -> str:
+    """Slice's default axis is 0 (the batch), not the last."""
+    z = f.input("z", ["batch", "seq", H])
+    fused = f.op("MatMul", z, f.weight(H, 2 * W))
+    gate, up = f.op("Slice", fused, f.ints(0), f.ints(W)), f.op("Slice", fused, f.ints(W), f.ints(2 * W))
+    return _product(f, f.op("Mul", gate, f.op("Sigmoid", gate)), up, silu_first)
+
+
+def _interleaved_slices(f: Fragment, silu_first: bool) -> str:
+    """Every other column (step 2): an interleaved gate_up, not two halves."""
+    z = f.input("z", ["batch", "seq", H])
+    fused = f.op("MatMul", z, f.weight(H, 2 * W))
+    gate = f.op("Slice", fused, f.ints(0), f.ints(2 * W), f.ints(-1), f.ints(2))
+    up = f.op("Slice", fused, f.ints(1), f.ints(2 * W), f.ints(-1), f.ints(2))
+    return _product(f, f.op("Mul", gate, f.op("Sigmoid", gate)), up, silu_first)
+
+
+def _up_is_no_half(f: Fragment, silu_first: bool) -> str:
+    """The gate is a Slice of a projection, the up another op of the same projection (it once crashed the
+    recognizer, which read the op's Slice inputs)."""
+    z = f.input("z", ["batch", "seq", H])
+    fused = f.op("MatMul", z, f.weight(H, 2 * W))
+    gate = f.op("Slice", fused, f.ints(0), f.ints(2 * W), f.ints(-1))
+    up = f.op("Relu", fused)
+    return _product(f, f.op("Mul", gate, f.op("Sigmoid", gate)), up, silu_first)
+
+
 def _halves_of_two_projections(f: Fragment, silu_first: bool) -> str:
     z = f.input("z", ["batch", "seq", H])
     gate = f.ops("Split", f.op("MatMul", z, f.weight(H, 2 * W)), outputs=2, axis=-1, num_outputs=2)[0]
@@ -199,8 +258,7 @@ def _slice_with_computed_start(f: Fragment, silu_first: bool) -> str:
 
 
 # name: (builder(f, silu_first), what NoMatch says). Each is refused in the silu operand's two orders; the
-# product's operands are tried in both orders, so the reason of Mul(up, silu) -- tried last -- is the one
-# raised.
+# product's operands are tried in both orders, and the reason of the order that got furthest is raised.
 GATE_UP_NEAR_MISSES = {
     "gelu_op_instead_of_silu": (_gelu, "expected Mul, found Gelu"),
     "erf_gelu_instead_of_silu": (_erf_gelu, r"no silu: Mul\(x, Sigmoid\(x\)\)"),
@@ -210,6 +268,11 @@ GATE_UP_NEAR_MISSES = {
     "gate_weight_behind_a_cast": (_gate_weight_behind_cast, "is not a 2-D initializer"),
     "gate_weight_computed": (_gate_weight_computed, "multiplies by a computed tensor"),
     "gate_up_split_on_axis_0": (_split_on_axis_0, "gate_up Split is not along the last axis"),
+    "gate_up_split_on_the_sequence_axis": (_split_on_the_sequence_axis, "Split is not along the last axis"),
+    "gate_up_split_sizes_computed": (_split_sizes_computed, "Split sizes are not constant"),
+    "gate_up_slices_without_axes": (_slices_without_axes, "not a constant range of the last axis"),
+    "gate_up_interleaved_slices": (_interleaved_slices, "not a constant range of the last axis"),
+    "up_is_no_half_of_gate_up": (_up_is_no_half, "not halves of one gate_up projection"),
     "halves_of_two_projections": (_halves_of_two_projections, "not halves of one gate_up projection"),
     "slice_with_computed_start": (_slice_with_computed_start, "not a constant range of the last axis"),
 }
@@ -230,24 +293,26 @@ def test_near_miss_is_refused_with_the_reason(name: str) -> None:
 
 @pytest.mark.parametrize("name", list(GATE_UP_NEAR_MISSES))
 def test_near_miss_is_refused_in_the_exporters_operand_order(name: str) -> None:
-    """Mul(silu(gate), up), as HF's LlamaMLP is exported: refused too (the reason: see the xfail below)."""
+    """Mul(silu(gate), up), as HF's LlamaMLP is exported: refused too (the reason: the test below)."""
     f = _near_miss(name, silu_first=True)
     with pytest.raises(NoMatch):
         match_swiglu(f.model.graph.outputs[0])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="recognizer bug: match_swiglu tries the product's operands in both orders and raises the reason "
-    "of the last order tried; for Mul(silu(gate), up), the order exporters write, that is always "
-    "'expected Mul, found MatMul' (or Gemm, Split, Slice: the up projection is no silu) and the real reason "
-    "is lost (model_map's 'other' branch text shows it)",
-)
 @pytest.mark.parametrize("name", list(GATE_UP_NEAR_MISSES))
 def test_near_miss_reason_in_the_exporters_operand_order(name: str) -> None:
     f = _near_miss(name, silu_first=True)
     with pytest.raises(NoMatch, match=GATE_UP_NEAR_MISSES[name][1]):
         match_swiglu(f.model.graph.outputs[0])
+
+
+def test_neither_operand_a_silu_gives_both_reasons() -> None:
+    """Mul(gelu(gate), up): neither operand order gets past its first node, so both reasons are given, the
+    exporters' order first."""
+    f = _near_miss("gelu_op_instead_of_silu", silu_first=True)
+    with pytest.raises(NoMatch) as refused:
+        match_swiglu(f.model.graph.outputs[0])
+    assert str(refused.value) == "expected Mul, found Gelu; or expected Mul, found MatMul"
 
 
 def test_missing_down_projection_is_refused() -> None:
