@@ -21,8 +21,8 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from passes.blocks import Block
 from passes.errors import PassInputError, UserError
-from passes.graph import strip_cast
 from passes.io.stream_concat import ConcatTensor, Part
+from passes.matching import strip_cast
 from passes.model_map import PLAN_METADATA_KEY, find_blocks
 from passes.patterns import nbits
 from passes.patterns.nbits import NBits

@@ -56,8 +56,8 @@ import onnx_ir as ir
 
 from passes.blocks import Block, ResidualAdd
 from passes.errors import UserError
-from passes.graph import NoMatch, attr, is_initializer
 from passes.graph_inputs import Signature
+from passes.matching import NoMatch, attr, is_initializer
 from passes.patterns.attention import Attention, branch_nodes, end_projection, is_linear, match_attention
 from passes.patterns.rmsnorm import Norm, match_rmsnorm
 from passes.patterns.swiglu import SwiGLU, match_swiglu

@@ -25,7 +25,7 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from passes.blocks import Block, ResidualAdd
 from passes.errors import PassInputError, UserError
-from passes.graph import attr
+from passes.matching import attr
 from passes.model_map import PLAN_METADATA_KEY, find_blocks
 from passes.plan import Plan, validate_plan
 

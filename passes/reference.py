@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from passes.blocks import Block
-from passes.graph import strip_cast
+from passes.matching import strip_cast
 from passes.patterns.swiglu import SwiGLU, Weight
 
 

@@ -27,7 +27,7 @@ from exporters.hf.config import HfConfig, expected_tensors, layer_kinds, read_co
 from exporters.nas.ffn_mult import ffn_mult_for
 from passes.blocks import Block
 from passes.errors import UserError
-from passes.graph import strip_cast
+from passes.matching import strip_cast
 from passes.io.stream_concat import read_columns, read_rows
 from passes.model_map import HF_METADATA_KEY, PLAN_METADATA_KEY, find_blocks
 from passes.patterns.swiglu import Weight

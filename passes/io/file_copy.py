@@ -1,5 +1,5 @@
 """Byte-range copies between open files, in the kernel where it can, and writes from memory in small calls
-(standard library only, so that exporters.hf.checkpoint can start copying before numpy or onnx are
+(standard library only, so that exporters.hf.data_file can start copying before numpy or onnx are
 imported)."""
 
 from __future__ import annotations

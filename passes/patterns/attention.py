@@ -28,7 +28,7 @@ from itertools import accumulate
 
 import onnx_ir as ir
 
-from passes.graph import NoMatch, attr, constant
+from passes.matching import NoMatch, attr, constant
 from passes.patterns.linear import is_linear, linear_shape
 from passes.shapes import World, align, graph_shapes, product
 

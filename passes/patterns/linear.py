@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import onnx_ir as ir
 
-from passes.graph import NoMatch, attr
+from passes.matching import NoMatch, attr
 
 WEIGHT_CHAIN_OPS = ("Transpose", "Cast", "Identity", "DequantizeLinear")
 

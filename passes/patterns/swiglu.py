@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from passes.graph import (
+from passes.matching import (
     NoMatch,
     attr,
     constant,

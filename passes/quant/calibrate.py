@@ -16,9 +16,9 @@ import onnx_ir as ir
 from tqdm import tqdm
 
 from passes.errors import UserError
-from passes.graph import graph_values
 from passes.io.model_io import load_model
 from passes.io.sessions import open_session
+from passes.matching import graph_values
 from passes.patterns.linear import find_linears
 
 FP8_MAX = 448.0

@@ -36,8 +36,8 @@ import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from passes.errors import PassInputError, UserError
-from passes.graph import graph_values
 from passes.io.stream_concat import read_columns, read_rows
+from passes.matching import graph_values
 from passes.patterns.linear import Linear, find_linears
 from passes.quant.calibrate import FP8_MAX, ActivationScales
 from passes.quant.opset import raise_opset, schema_violation

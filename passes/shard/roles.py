@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import onnx_ir as ir
 
 from passes.errors import UserError
-from passes.graph import NoMatch
+from passes.matching import NoMatch
 from passes.model_map import (
     LmHead,
     ParallelSum,

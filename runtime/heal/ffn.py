@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from passes.blocks import Block
-from passes.graph import strip_cast
+from passes.matching import strip_cast
 from passes.reference import norm_weight
 
 

@@ -11,7 +11,7 @@ import onnx
 import onnx_ir as ir
 
 from passes.blocks import Block
-from passes.graph import strip_cast
+from passes.matching import strip_cast
 from passes.io.model_io import load_model, load_typed_proto, save_model
 from passes.io.sessions import open_session
 from passes.model_map import find_blocks

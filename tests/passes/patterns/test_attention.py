@@ -17,7 +17,7 @@ import onnx
 import pytest
 from onnx import helper
 
-from passes.graph import NoMatch
+from passes.matching import NoMatch
 from passes.model_map import build_model_map
 from passes.patterns.attention import Attention, branch_nodes, end_projection, match_attention
 from tests.passes.patterns.fragments import BOOL, FLOAT, INT32, INT64, Fragment

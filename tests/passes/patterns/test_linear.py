@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from passes.graph import NoMatch
 from passes.io.model_io import load_model
+from passes.matching import NoMatch
 from passes.patterns.linear import find_linears, is_linear, linear_shape, linear_weight, weight_ref
 from tests import fp8_fixtures as fx
 from tests.passes.patterns.fragments import INT32, Fragment

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper
 
-from passes.graph import NoMatch
+from passes.matching import NoMatch
 from passes.patterns.rmsnorm import match_rmsnorm
 from tests.passes.patterns.fragments import FLOAT, FLOAT16, Fragment
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from passes.graph import NoMatch
+from passes.matching import NoMatch
 from passes.patterns.swiglu import SwiGLU, match_swiglu
 from tests.passes.patterns.fragments import FLOAT, FLOAT16, Fragment
 

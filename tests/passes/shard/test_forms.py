@@ -19,7 +19,7 @@ import pytest
 
 from passes.error_measures import max_abs_relative_error
 from passes.errors import UserError
-from passes.graph import NoMatch
+from passes.matching import NoMatch
 from passes.model_map import walk_stream
 from passes.patterns.attention import match_attention
 from passes.shard import shard_file

@@ -1,4 +1,5 @@
-"""Small helpers over onnx-ir values and nodes that the recognizers share."""
+"""Small helpers over onnx-ir values and nodes that the recognizers (and the passes reading their records)
+share: NoMatch and matching a producer, constants, attributes, casts, ranks."""
 
 from __future__ import annotations
 
