@@ -22,13 +22,13 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 
-from exporters.hf.checkpoint import Checkpoint, open_checkpoint, read_tensor_rows
 from exporters.hf.config import HfConfig, expected_tensors, layer_kinds, read_config
+from exporters.hf.safetensors_in import Checkpoint, open_checkpoint, read_tensor_rows
 from exporters.nas.ffn_mult import ffn_mult_for
 from passes.blocks import Block
 from passes.errors import UserError
-from passes.matching import strip_cast
 from passes.io.stream_concat import read_columns, read_rows
+from passes.matching import strip_cast
 from passes.model_map import HF_METADATA_KEY, PLAN_METADATA_KEY, find_blocks
 from passes.patterns.swiglu import Weight
 

@@ -5,7 +5,7 @@ block_configs) is written, then, each in a fresh child process whose own peak RS
 (runtime.bench.peak_memory):
   - a plain copy of the checkpoint's safetensors files (the I/O floor),
   - tools/export_model.py --hf (bf16 kept: the kernel copies each tensor in a second thread while
-    exporters.hf.graph builds the graph with onnx-ir, without torch),
+    exporters.hf.prefill_graph builds the graph with onnx-ir, without torch),
   - optionally --dtype float16 (tensors converted in row chunks).
 The page cache is in the same state for every step: one untimed copy first reads the checkpoint in, and
 before each step `sync` writes back what the step before left dirty. The copy and the exports then
@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from exporters.hf.checkpoint import open_checkpoint
+from exporters.hf.safetensors_in import open_checkpoint
 from runtime.bench.peak_memory import Measured, measure, timed_copy
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -17,9 +17,9 @@ import pytest
 
 from exporters.hf.checkpoint import export_hf
 from exporters.hf.synthetic import ALL_KINDS_BLOCKS, write_all_kinds
+from passes.error_measures import max_abs_relative_error
 from passes.io.model_io import load_model, load_proto, save_model
 from passes.io.sessions import open_session
-from passes.error_measures import max_abs_relative_error
 from passes.model_map import find_blocks
 from passes.pipeline import fuse_file
 from passes.plan import parse_plan

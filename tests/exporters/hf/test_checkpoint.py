@@ -20,8 +20,8 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from exporters.hf.checkpoint import METADATA_KEY, export_hf
 from exporters.export_record import ExportResult
+from exporters.hf.checkpoint import METADATA_KEY, export_hf
 from tests.exporters.hf_fixtures import (
     LLAMA3_ROPE,
     deci_block,
@@ -353,7 +353,7 @@ def _layer_ops(path: Path) -> dict[str, dict[str, int]]:
 
 
 def test_every_layer_kind_matches_reference(tmp_path) -> None:
-    """exporters.hf.graph writes each layer from its own LayerConfig: the logits match the independent
+    """exporters.hf.prefill_graph writes each layer from its own LayerConfig: the logits match the independent
     reference, each layer holds the ops of its kind under its own name, and each SwiGLU its own width."""
     config = nemotron_config(LAYER_KINDS_BLOCKS, hidden=256, heads=4, vocab=VOCAB, rope_scaling=NEMOTRON_ROPE)
     folder = write_nemotron(tmp_path / "ckpt", config, shards=2, seed=3)
@@ -555,8 +555,8 @@ def test_nemotron_block_table(tool, nemotron_fp32) -> None:
 
 @pytest.mark.parametrize("kind", ["nemotron_linear", "nemotron", "llama"])
 def test_fuse_fp8_and_shard(kind, nemotron_fp32, shardable_nemotron, llama_dropped, tmp_path) -> None:
-    from passes.io.model_io import load_model, save_model
     from passes.error_measures import max_abs_relative_error
+    from passes.io.model_io import load_model, save_model
     from passes.pipeline import fuse_file
     from passes.plan import parse_plan
     from passes.quant.calibrate import calibrate

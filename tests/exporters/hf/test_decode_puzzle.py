@@ -1,7 +1,7 @@
 """Decode graphs of a Puzzle (Nemotron-NAS) checkpoint with every layer kind (export_hf(decode=True),
 tools/export_model.py --hf DIR --decode): variable GQA caches, Linear attention and FFN, no-op attention
-and FFN. Checked token by token against the prefill graph (exporters.hf.graph, built without torch) and
-against `reference_logits` (design §7 written in torch, without the exporter's code)."""
+and FFN. Checked token by token against the prefill graph (exporters.hf.prefill_graph, built without
+torch) and against `reference_logits` (design §7 written in torch, without the exporter's code)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import pytest
 from exporters.decode import METADATA_KEY
 from exporters.hf.checkpoint import export_hf
 from exporters.hf.synthetic import write_all_kinds
-from passes.graph_inputs import Signature
 from passes.error_measures import max_abs_relative_error
+from passes.graph_inputs import Signature
 from runtime.generate import DecodeModel, greedy_generate
 from tests.exporters.hf.test_checkpoint import reference_logits, run_onnx
 from tests.exporters.hf_fixtures import PUZZLE_CACHE_HEADS, PUZZLE_VOCAB, puzzle_models

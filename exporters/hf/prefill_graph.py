@@ -4,7 +4,7 @@
 
 Built straight from `exporters.hf.config.HfConfig` (no torch, well under a second at any depth): one
 input `input_ids` int64 [batch, seq], one output `logits` float32 [batch, seq, vocab]. Every weight is
-an initializer named as its safetensors tensor, with a shape and no value (exporters.hf.checkpoint points
+an initializer named as its safetensors tensor, with a shape and no value (exporters.hf.data_file points
 it at the data file); a tied lm_head reads the embedding's one initializer.
 
 The graph computes what transformers' LlamaForCausalLM / DeciLM forward computes, in the op forms the
@@ -363,4 +363,4 @@ def build_prefill(config: HfConfig, dtype: str, opset: int | None = None) -> ir.
     """The prefill graph of `config` in `dtype` (float32 | float16 | bfloat16), weights without values."""
     graph = _Prefill(config, IR_DTYPES[dtype]).build()
     graph.opset_imports[""] = opset or OPSET
-    return ir.Model(graph, ir_version=10, producer_name="ffn-fusion exporters.hf.graph")
+    return ir.Model(graph, ir_version=10, producer_name="ffn-fusion exporters.hf.prefill_graph")

@@ -1,8 +1,9 @@
-"""The prefill graph built without torch (exporters.hf.graph, exporters.hf.rope) and what that buys the --hf
-export: no torch import, the weight copy started before onnx/onnx_ir are imported, half-precision graphs.
+"""The prefill graph built without torch (exporters.hf.prefill_graph, exporters.hf.rope) and what that buys
+the --hf export: no torch import, the weight copy started before onnx/onnx_ir are imported, half-precision
+graphs.
 
 Numerics against transformers' forward and the independent nemotron-nas reference are in
-test_hf_checkpoint.py; here: the rotary tables against transformers' own, float16/bfloat16 exports
+test_checkpoint.py; here: the rotary tables against transformers' own, float16/bfloat16 exports
 against the float32 one, the converted weights against torch's `.to(dtype)`, and the opset range.
 """
 
@@ -149,7 +150,7 @@ def test_prefill_export_imports_no_torch(tiny_nemotron, tmp_path, dtype: str) ->
 @pytest.fixture(scope="module")
 def qwen_exports(tmp_path_factory) -> dict[str, Path]:
     """A float32 Qwen2 checkpoint (q/k/v biases, a sliding-window layer, dynamic rope) exported in all three
-    dtypes: float16 and bfloat16 weights converted from float32 by exporters.hf.checkpoint."""
+    dtypes: float16 and bfloat16 weights converted from float32 by exporters.hf.dtype_convert."""
     base = tmp_path_factory.mktemp("qwen_dtypes")
     folder = save_llama_family(
         base / "ckpt",
@@ -258,11 +259,12 @@ def test_metadata_and_names(tiny_nemotron, tmp_path) -> None:
 
 def test_back_to_back_tensors_are_one_kernel_copy(tmp_path) -> None:
     """Tensors whose sizes are multiples of the 4096-byte alignment lie back to back in the data file as in
-    their shard, so each shard's run is one copy (exporters.hf.checkpoint.plan_runs); every byte lands
+    their shard, so each shard's run is one copy (exporters.hf.data_file.copy_runs); every byte lands
     where its initializer points."""
     from safetensors.torch import load_file
 
-    from exporters.hf.checkpoint import check_folder, plan_layout, plan_runs
+    from exporters.hf.data_file import copy_runs, place_weights
+    from exporters.hf.weight_sources import check_folder
     from passes.io.model_io import load_model
 
     folder = save_llama_family(
@@ -271,7 +273,7 @@ def test_back_to_back_tensors_are_one_kernel_copy(tmp_path) -> None:
     _, sources, dtype = check_folder(folder)
     shards = sorted(folder.glob("*.safetensors"))
     assert len(shards) > 1 and dtype == "float32"
-    runs = plan_runs(sources, plan_layout(sources, 4), dtype)
+    runs = copy_runs(sources, place_weights(sources, 4), dtype)
     assert len(runs) == len(shards) and all(r.convert is None for r in runs)
     path = export_hf(folder, tmp_path / "out" / "model.onnx").path
     model = load_model(path)

@@ -1,21 +1,27 @@
-"""The torch model the --decode graph of a Hugging Face checkpoint is traced from, with its parameter names.
+"""The --decode graph of a Hugging Face checkpoint, traced from a torch model that holds no weights.
+
+    model = trace(decode_traceable(config, spec), opset)    # weight initializers named, without values
 
 `decode_traceable` builds exporters.decode's DecodeLlama for the checkpoint on the meta device (no weight
 memory): the ONNX export needs only the parameters' names, shapes and dtypes, and the weights are streamed
-into the ONNX file afterwards (exporters.hf.checkpoint). Parameter names are the checkpoint's
+into the ONNX file afterwards (exporters.hf.data_file). Parameter names are the checkpoint's
 (model.layers.N.self_attn.q_proj.weight, ..., lm_head.weight), so an initializer of the exported graph
 names the safetensors tensor that fills it. Its rotary frequencies are the checkpoint's
-(exporters.hf.rope). The prefill graph is not traced: exporters.hf.graph builds it without torch.
+(exporters.hf.rope). `trace` runs torch.onnx.export(dynamo=True) and the optimizer on it. The prefill
+graph is not traced: exporters.hf.prefill_graph builds it without torch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import onnx_ir as ir
 import torch
 from torch import nn
 
@@ -23,6 +29,7 @@ from exporters import decode
 from exporters.decode_spec import DecodeSpec
 from exporters.hf.config import HfConfig
 from exporters.hf.rope import rope_parameters
+from exporters.onnx_export import dynamo_export, quiet_export
 
 
 def parameter_aliases(model: nn.Module) -> dict[str, list[str]]:
@@ -69,3 +76,42 @@ def decode_traceable(config: HfConfig, spec: DecodeSpec) -> Traceable:
         decode._name_dims,
         {decode.METADATA_KEY: json.dumps(decode.describe(spec))},
     )
+
+
+def trace(traceable: Traceable, opset: int | None) -> ir.Model:
+    """The optimized graph of a meta model; weight initializers keep their names and have no value."""
+    parameters = set(parameter_aliases(traceable.model))
+    with quiet_export(), torch.no_grad(), _quiet_logger("onnx_ir"):
+        program = dynamo_export(
+            traceable.model,
+            traceable.args,
+            opset=opset,
+            optimize=False,
+            input_names=traceable.input_names,
+            output_names=traceable.output_names,
+            dynamic_shapes=traceable.dynamic_shapes,
+        )
+        for name, value in program.model.graph.initializers.items():
+            if name in traceable.buffers:
+                value.const_value = ir.tensor(traceable.buffers[name], name=name)
+            elif name in parameters:
+                value.const_value = None  # the optimizer neither reads nor folds a value it does not have
+            else:
+                raise RuntimeError(f"exported graph has an unexpected initializer {name!r}")
+        program.optimize()
+    onnx_model = program.model
+    traceable.name_dims(onnx_model)
+    onnx_model.metadata_props.update(traceable.metadata)
+    return onnx_model
+
+
+@contextlib.contextmanager
+def _quiet_logger(name: str) -> Iterator[None]:
+    """onnx-ir warns once per weight that it skips deduplicating value-less initializers: expected here."""
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
