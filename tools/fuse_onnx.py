@@ -16,13 +16,18 @@ from passes.io.model_io import load_model
 from passes.model_map import find_blocks
 from passes.pipeline import fuse_file
 from passes.plan import load_plan
-from passes.validate import plan_from_metadata, validate
+from runtime.verify import VerifyOptions, verify_artifact
 
 EPILOG = """\
 examples:
   fuse_onnx.py model.onnx --show-blocks          print the block table (add --json for machines)
   fuse_onnx.py model.onnx plan.json              write model.fused.onnx beside the input, validated
   fuse_onnx.py --verify model.onnx model.fused.onnx   re-check a fused model (exit 1 on mismatch)
+  fuse_onnx.py --verify model.onnx model.healed.onnx --max-kl 0.5 --junit verify.xml
+                                       a healed model: structure, healed tensors, KL on held-out text
+  fuse_onnx.py --verify model.healed.onnx fp8/model.healed_fp8.onnx   FP8 weights = Q(source), logits
+  fuse_onnx.py --verify model.healed.onnx tp2/   a rank folder (tp.json): ranks run together = the source
+  fuse_onnx.py --verify model.onnx model.decode.onnx   cached decoding = prefill = the source
 
 plan.json: {"groups": [[13, 17], [18, 21]], "norm": "last"}   (block numbers = source layers, inclusive;
   blocks i+1..j of a group must have no attention part and no group a Linear FFN; norm "last" (paper)
@@ -50,12 +55,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--verify",
         action="store_true",
-        help="MODEL FUSED: re-check FUSED against MODEL using the plan in its metadata",
+        help="MODEL ARTIFACT: check ARTIFACT (fused, healed, FP8, decode graph or TP rank folder, told "
+        "from its metadata) against its source MODEL; exit 1 when a check fails",
     )
+    parser.add_argument(
+        "--max-kl", type=float, help="--verify of a healed model: bound on KL(original || healed), nats"
+    )
+    parser.add_argument(
+        "--max-error", type=float, default=0.15, help="--verify of an FP8 model: bound on the logits' "
+        "relative error against the source (default 0.15)"
+    )
+    parser.add_argument(
+        "--text", type=Path, nargs="+", help="--verify of a healed model: held-out text files "
+        "(default: the machine's prose and code)"
+    )
+    parser.add_argument("--junit", type=Path, help="--verify: also write the checks as JUnit XML to FILE")
     # Intermixed, so that `--verify MODEL FUSED` and `MODEL --verify FUSED` both read as two paths.
     args = parser.parse_intermixed_args(argv)
     if args.verify and args.plan is None:
         parser.error("--verify needs two models: --verify original.onnx fused.onnx")
+    if not args.verify and (args.max_kl is not None or args.junit or args.text):
+        parser.error("--max-kl, --text and --junit go with --verify")
+    if args.max_kl is not None and not args.max_kl >= 0 or not args.max_error > 0:
+        parser.error("--max-kl must be >= 0 and --max-error > 0")
     if not (args.show_blocks or args.verify) and args.plan is None:
         parser.error("a plan.json is required (or --show-blocks / --verify MODEL FUSED)")
     args.max_data_file_bytes = data_file_bytes(args)
@@ -73,13 +95,14 @@ def show_blocks(args: argparse.Namespace) -> int:
 
 
 def verify(args: argparse.Namespace) -> int:
-    for path in (args.model, args.fused):
-        if not path.is_file():
-            raise UserError(f"model {path} does not exist")
-    plan = plan_from_metadata(args.fused)
-    report = validate(args.model, args.fused, plan)
+    if args.junit is not None and not args.junit.parent.is_dir():
+        raise UserError(f"--junit {args.junit}: folder {args.junit.parent} does not exist")
+    options = VerifyOptions(max_kl=args.max_kl, max_error=args.max_error, text=tuple(args.text or ()))
+    report = verify_artifact(args.model, args.fused, options)
+    if args.junit is not None:
+        report.write_junit(args.junit)
     if args.json:
-        print(json.dumps({"ok": report.ok, "plan": json.loads(plan.to_json()), "checks": report.lines()}))
+        print(json.dumps(report.to_json()))
     else:
         print("\n".join(report.lines()))
         print("verified" if report.ok else "MISMATCH")

@@ -10,6 +10,10 @@ from passes.errors import UserError
 from passes.plan import Plan
 
 HEAL_METADATA_KEY = "ffn_fusion.heal"
+# sha256 of each initializer heal.py wrote, over its stored bytes (onnx_ir's tensor.tobytes(), the dtype and
+# layout of the file): runtime/verify checks a healed file against them. Files healed before this key have
+# none and are refused by the verifier.
+TENSOR_HASHES_KEY = "tensor_sha256"
 INPUT_MODES = ("healed", "original")
 LOSSES = ("mse", "token")
 
@@ -70,6 +74,7 @@ class HealResult:
     nodes: int = 0
     seconds: float = 0.0
     weights_from: Path | None = None  # the healed model the weights were taken from (heal.py --weights-from)
+    tensors: dict[str, str] = field(default_factory=dict)  # initializer name -> sha256 (TENSOR_HASHES_KEY)
 
     def metadata(self) -> dict:
         source = {} if self.weights_from is None else {"weights_from": str(self.weights_from)}
@@ -83,4 +88,5 @@ class HealResult:
                 {k: (list(v) if k == "group" else v) for k, v in asdict(g).items() if k != "seconds"}
                 for g in self.groups
             ],
+            **({TENSOR_HASHES_KEY: dict(sorted(self.tensors.items()))} if self.tensors else {}),
         }

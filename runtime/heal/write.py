@@ -3,6 +3,7 @@ initializers (the same graph) with the heal's metadata, and the written file che
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -11,9 +12,9 @@ import onnx
 import onnx_ir as ir
 
 from passes.blocks import Block
-from passes.matching import strip_cast
 from passes.io.model_io import load_model, load_typed_proto, save_model
 from passes.io.sessions import open_session
+from passes.matching import strip_cast
 from passes.model_map import find_blocks
 from passes.run.block_runner import BlockRunner
 from passes.run.cut import NameGraph, fill_stream_types, split_skip_norms, stream_names
@@ -33,10 +34,12 @@ def save_arrays(folder: Path, name: str, weights: GroupWeights) -> dict[str, Pat
     return paths
 
 
-def _replace(value: ir.Value, array: np.ndarray, transposed: bool) -> None:
+def _replace(value: ir.Value, array: np.ndarray, transposed: bool, hashes: dict[str, str]) -> None:
+    """`value`'s initializer set to `array` (in its stored dtype and layout); its sha256 into `hashes`."""
     old = value.const_value
     data = (array.T if transposed else array).astype(old.dtype.numpy(), copy=False)
     value.const_value = ir.tensor(np.ascontiguousarray(data), dtype=old.dtype, name=value.name)
+    hashes[value.name] = hashlib.sha256(value.const_value.tobytes()).hexdigest()
 
 
 def write_healed(
@@ -51,10 +54,10 @@ def write_healed(
             arrays = {k: np.load(p, mmap_mode="r") for k, p in paths.items()}
             for key in ("gate", "up", "down"):
                 weight = getattr(block.ffn, key)
-                _replace(weight.source, arrays[key], weight.transposed)
+                _replace(weight.source, arrays[key], weight.transposed, result.tensors)
             norm = block.norm.weight
             if norm is not None and strip_cast(norm) is norm and len(norm.uses()) == 1:
-                _replace(norm, arrays["norm"], False)
+                _replace(norm, arrays["norm"], False, result.tensors)
     model.metadata_props[HEAL_METADATA_KEY] = json.dumps(result.metadata(), sort_keys=True)
     save_model(model, staged, external=True)
     if len(model.graph) != nodes:

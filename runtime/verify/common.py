@@ -1,0 +1,73 @@
+"""Pieces every artifact check uses: reading the metadata, running a graph to its logits, and comparing the
+initializers an artifact shares by name with its source, one tensor at a time (memory: one tensor)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+
+from passes.graph_inputs import Signature
+from passes.io.model_io import load_proto
+from passes.io.sessions import open_session
+from passes.validate import HALF_TYPES, float32_view
+from runtime.verify.records import VerifyReport
+
+
+def metadata(path: Path) -> dict[str, str]:
+    return {p.key: p.value for p in load_proto(path).metadata_props}
+
+
+def metadata_json(path: Path, key: str) -> dict | None:
+    text = metadata(path).get(key)
+    return None if text is None else json.loads(text)
+
+
+def tensor_sha256(tensor: ir.TensorProtocol) -> str:
+    """sha256 of the tensor's stored bytes (as heal.py records them: runtime/heal/metadata.py)."""
+    return hashlib.sha256(tensor.tobytes()).hexdigest()
+
+
+def logits(path: Path, tokens: np.ndarray) -> np.ndarray:
+    """`path`'s first logits output on `tokens` in ONNX Runtime (every other input fed as
+    passes/graph_inputs.py does: mask of ones, positions, an empty KV cache); half models in fp32."""
+    proto = load_proto(path)
+    if any(t.data_type in HALF_TYPES for t in proto.graph.initializer):
+        proto = float32_view(proto, path.parent)
+    signature = Signature.of(proto)
+    session = open_session(proto, folder=path.parent, prepack=False)
+    return session.run([signature.logits.name], signature.feeds(tokens))[0]
+
+
+def same_initializers(
+    report: VerifyReport, original: ir.Model, artifact: ir.Model, skip: Iterable[str], what: str
+) -> None:
+    """One check: every initializer of `artifact` that `original` has by name (but those in `skip`, which
+    the stage rewrote) holds the original's values. A differing one is named."""
+    skip = set(skip)
+    names = [n for n in artifact.graph.initializers if n in original.graph.initializers and n not in skip]
+    differing = []
+    for name in names:
+        a = artifact.graph.initializers[name].const_value
+        b = original.graph.initializers[name].const_value
+        if a is None or b is None:
+            continue
+        if a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape) or a.tobytes() != b.tobytes():
+            differing.append(name)
+    if differing:
+        shown = ", ".join(repr(n) for n in differing[:5]) + (" ..." if len(differing) > 5 else "")
+        report.add(
+            "unchanged weights",
+            False,
+            f"{len(differing)} of {len(names)} {what} differ from the original's: {shown}",
+            compared=len(names),
+            differing=len(differing),
+        )
+    else:
+        report.add(
+            "unchanged weights", True, f"{len(names)} {what} equal the original's", compared=len(names)
+        )

@@ -1,0 +1,141 @@
+"""FP8 graphs (passes/quant/fp8.py): every float8 weight equals Q(source weight) with its recorded scale,
+every recorded weight scale equals amax / 448 of its source's output channel, every other weight equals the
+source's, and the logits are within `max_error` of the source's. The weights are compared band by band as
+the pass wrote them, so memory stays near one band of rows."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from passes.error_measures import cosine, l2_relative_error
+from passes.io.model_io import load_model
+from passes.model_map import find_blocks
+from passes.patterns.linear import FloatWeight, find_linears
+
+# The pass's own band reader, scale rule and rounding: the check recomputes exactly what it wrote.
+from passes.quant.fp8 import _bands, _channel_scales, _to_fp8
+from passes.validate import default_tokens
+from runtime.verify.common import logits, same_initializers
+from runtime.verify.options import VerifyOptions
+from runtime.verify.records import VerifyReport
+
+FP8 = ir.DataType.FLOAT8E4M3FN
+
+
+def is_fp8(model: ir.Model) -> bool:
+    return any(v.dtype == FP8 for v in model.graph.initializers.values())
+
+
+def _quantized_weights(model: ir.Model) -> list[tuple[ir.Value, ir.Value]]:
+    """(float8 weight, its scale) of every DequantizeLinear of a float8 initializer."""
+    found, seen = [], set()
+    for node in model.graph:
+        if node.op_type != "DequantizeLinear" or len(node.inputs) < 2:
+            continue
+        q, scale = node.inputs[0], node.inputs[1]
+        if q is None or scale is None or q.dtype != FP8 or q.const_value is None or q.name in seen:
+            continue
+        seen.add(q.name)
+        found.append((q, scale))
+    return found
+
+
+def _source_name(fp8_name: str) -> str:
+    """The pass names a weight's float8 tensor `<source>_fp8` (`_fp8_<k>` on a name clash)."""
+    base, _, tail = fp8_name.rpartition("_fp8")
+    return base if tail == "" or tail.lstrip("_").isdigit() else fp8_name
+
+
+def verify_fp8(report: VerifyReport, options: VerifyOptions) -> None:
+    source, artifact = load_model(report.original), load_model(report.artifact)
+    weights = {lin.weight.value.name: lin.weight for lin in find_linears(source.graph)}
+    quantized = _quantized_weights(artifact)
+    scale_bad, weight_bad, unknown = [], [], []
+    for q, scale in quantized:
+        weight = weights.get(_source_name(q.name))
+        if weight is None or scale.const_value is None:
+            unknown.append(q.name)
+            continue
+        problem = _check_scale(weight, scale)
+        if problem is not None:
+            scale_bad.append(problem)
+        problem = _check_weight(weight, q, scale)
+        if problem is not None:
+            weight_bad.append(problem)
+    report.notes.append(
+        f"{len(quantized)} float8 weights; activation scales come from calibration (not checked)"
+    )
+    if unknown:
+        report.add(
+            "source weights",
+            False,
+            f"float8 tensor(s) with no source weight in {report.original}: "
+            + ", ".join(repr(n) for n in unknown[:5]),
+        )
+    report.add(
+        "weight scales",
+        not scale_bad,
+        "; ".join(scale_bad[:3])
+        if scale_bad
+        else f"{len(quantized)} scales equal amax / 448 per output channel",
+        differing=len(scale_bad),
+    )
+    report.add(
+        "float8 weights",
+        not weight_bad,
+        "; ".join(weight_bad[:3])
+        if weight_bad
+        else f"{len(quantized)} weights equal Q(source, recorded scale)",
+        differing=len(weight_bad),
+    )
+    rewritten = {q.name for q, _ in quantized} | {s.name for _, s in quantized}
+    same_initializers(report, source, artifact, rewritten, "unquantized weights")
+    tokens = default_tokens(find_blocks(source), report.original, options.seq)
+    del source, artifact
+    reference, fp8 = logits(report.original, tokens), logits(report.artifact, tokens)
+    error = l2_relative_error(fp8, reference)
+    report.add(
+        "logits vs source",
+        error <= options.max_error,
+        f"relative error {error:.4g} (<= {options.max_error:g}), cosine {cosine(fp8, reference):.6f}",
+        rel_error=error,
+        max_error=options.max_error,
+    )
+
+
+def _check_scale(weight: FloatWeight, scale: ir.Value) -> str | None:
+    recorded = scale.const_value.numpy().astype(np.float32).reshape(-1)
+    expected = _channel_scales(weight.tensor, weight.transpose, weight.dtype)
+    if recorded.shape != expected.shape:
+        return f"{scale.name!r} has {recorded.size} channels, source {weight.value.name!r} {expected.size}"
+    differ = np.flatnonzero(recorded != expected)
+    if differ.size:
+        c = int(differ[0])
+        return (
+            f"{scale.name!r} differs from amax / 448 of {weight.value.name!r} in {differ.size} channel(s) "
+            f"(channel {c}: {recorded[c]:.6g}, expected {expected[c]:.6g})"
+        )
+    return None
+
+
+def _check_weight(weight: FloatWeight, q: ir.Value, scale: ir.Value) -> str | None:
+    stored = q.const_value.numpy().view(np.uint8)
+    recorded = scale.const_value.numpy().astype(np.float32).reshape(-1)
+    rows, bad, first = 0, 0, None
+    for band in _bands(weight.tensor, weight.transpose):
+        want = np.ascontiguousarray(_to_fp8(band, recorded)).view(np.uint8)
+        got = stored[rows : rows + len(band)]
+        if got.shape != want.shape:
+            return f"{q.name!r} has shape {list(stored.shape)}, Q({weight.value.name!r}) {list(want.shape)}"
+        mismatch = np.argwhere(got != want)
+        if mismatch.size and first is None:
+            first = (rows + int(mismatch[0][0]), int(mismatch[0][1]))
+        bad += len(mismatch)
+        rows += len(band)
+    if rows != len(stored):
+        return f"{q.name!r} has {len(stored)} rows, Q({weight.value.name!r}) {rows}"
+    if bad:
+        where = f"first at row {first[0]}, column {first[1]}"
+        return f"{q.name!r} differs from Q({weight.value.name!r}, {scale.name!r}) in {bad} values ({where})"
+    return None
