@@ -7,6 +7,10 @@ as Optimum, ONNX Runtime GenAI or tools/export_model.py leave it, an engines fol
 tools/build_engines.py, or a sharded folder from tools/shard_tp.py (one process per rank, gloo all-reduces;
 --tp-comm nccl on GPUs). Routes: /v1/models,
 /v1/completions, /v1/chat/completions, /health, /metrics. See docs/serving.md.
+
+SIGTERM drains (no new requests; running ones finish within --drain-timeout, the rest end with an error)
+and exits 0. A fault the server cannot contain (a TP rank that died or hung) exits 1 with --on-fatal exit
+(the default: let a supervisor restart it), or keeps answering 503 with --on-fatal serve.
 """
 
 from __future__ import annotations
@@ -38,18 +42,44 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--rank-timeout", type=float, default=120.0, help="seconds before a silent TP rank counts as hung"
     )
+    p.add_argument(
+        "--rank-heartbeat",
+        type=float,
+        default=5.0,
+        help="seconds without a TP rank's heartbeat before it counts as hung (default 5)",
+    )
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=4 * 1024 * 1024,
+        help="larger request bodies get 413 before they are parsed (default 4 MiB)",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=20.0,
+        help="seconds running requests may take to finish after SIGTERM (default 20)",
+    )
+    p.add_argument(
+        "--on-fatal",
+        choices=("exit", "serve"),
+        default="exit",
+        help="after a fault the server cannot contain: exit 1 (default) or keep answering 503",
+    )
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    for flag in ("max_batch", "max_queue", "port", "rank_timeout"):
+    for flag in ("max_batch", "max_queue", "port", "rank_timeout", "rank_heartbeat", "max_request_bytes"):
         if getattr(args, flag) < 1:
             raise UserError(f"--{flag.replace('_', '-')} must be at least 1")
+    if not args.drain_timeout >= 0:
+        raise UserError("--drain-timeout must be at least 0")
     from runtime.serve.server import serve  # the web stack loads after the arguments are checked
 
-    serve(
+    return serve(
         args.model,
         host=args.host,
         port=args.port,
@@ -62,9 +92,12 @@ def main(argv: list[str] | None = None) -> int:
         threads=args.threads,
         tp_comm=args.tp_comm,
         rank_timeout_s=args.rank_timeout,
+        rank_heartbeat_s=args.rank_heartbeat,
         log_level=args.log_level,
+        max_request_bytes=args.max_request_bytes,
+        drain_timeout_s=args.drain_timeout,
+        on_fatal=args.on_fatal,
     )
-    return 0
 
 
 if __name__ == "__main__":

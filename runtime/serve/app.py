@@ -1,9 +1,21 @@
 """The OpenAI-compatible HTTP API (FastAPI, server-sent events through sse-starlette) over a Scheduler.
 
 Routes: GET /health, GET /metrics (Prometheus), GET /v1/models[/{id}], POST /v1/completions,
-POST /v1/chat/completions. Errors are OpenAI error JSON with 400 (bad parameters, malformed JSON),
-404 (unknown model or route), 503 (the waiting queue is full; Retry-After: 1) or 500. Tokenization and
-detokenization run on the event loop thread; the model runs on the scheduler's thread.
+POST /v1/chat/completions. Errors are OpenAI error JSON with 400 (bad parameters, malformed JSON), 404
+(unknown model or route), 405 (with Allow), 413 (a body above `max_request_bytes`, refused before it is
+parsed), 503 (the waiting queue is full or the server is draining: Retry-After: 1; the model is not being
+served any more: no Retry-After) or 500 (a fault of this request's generation, named). The OpenAPI document
+(/openapi.json) states all of them, the event-stream content type, and the app's own limits (token ids
+below the vocabulary).
+
+The event loop only moves bytes: tokenization and detokenization run in worker threads, the model on the
+scheduler's thread, so /health answers at once whatever the requests hold.
+
+Lifecycle: `drain()` (SIGTERM, runtime/serve/server.py) stops admitting (503) and lets the running requests
+finish; `abort()` then ends the rest with an error (streams: an error event and [DONE]; others: JSON). A
+fatal scheduler fault (runtime/serve/scheduler.py) fails every request; with on_fatal "exit" the server
+then exits non-zero (through `app.state.exit`, set by the server) so that a supervisor restarts it; with
+"serve" it stays up answering 503.
 """
 
 from __future__ import annotations
@@ -17,9 +29,11 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
-from sse_starlette.sse import EventSourceResponse
+from sse_starlette.sse import AppStatus, EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from runtime.serve.loading import ServedModel
 from runtime.serve.logprobs import TokenLogprob, TokenTexts
@@ -37,16 +51,41 @@ from runtime.serve.sampling import Sampler
 from runtime.serve.scheduler import Event, GenerationRequest, QueueFull, Scheduler
 
 DISCONNECT_POLL_S = 0.25
+MAX_REQUEST_BYTES = 4 * 1024 * 1024  # well above what lm-eval's batched requests send
+ON_FATAL = ("exit", "serve")
+FATAL_EXIT_CODE = 1
+SHUTTING_DOWN = "the server is shutting down"
 
 
 class GenerationFailed(Exception):
-    """The model call behind a request failed (the scheduler's error event)."""
+    """The model call behind a request failed (the scheduler's error event) with this HTTP status."""
+
+    def __init__(self, reason: str, status: int) -> None:
+        super().__init__(reason)
+        self.status = status
 
 
-def create_app(served: ServedModel, max_batch: int = 8, max_queue: int = 64) -> FastAPI:
+def create_app(
+    served: ServedModel,
+    max_batch: int = 8,
+    max_queue: int = 64,
+    *,
+    max_request_bytes: int = MAX_REQUEST_BYTES,
+    on_fatal: str = "exit",
+) -> FastAPI:
+    if on_fatal not in ON_FATAL:
+        raise ValueError(f"on_fatal must be one of {ON_FATAL}, not {on_fatal!r}")
+    # streams end by drain/abort (runtime/serve/server.py), not cut by sse-starlette on the first signal
+    getattr(AppStatus, "disable_automatic_graceful_drain", lambda: None)()
     metrics = Metrics()
     max_batch = min(max_batch, served.max_batch or max_batch)  # an engine's profile may allow fewer
-    scheduler = Scheduler(served.runner(), max_batch, max_queue, metrics)
+
+    def fatal(reason: str) -> None:
+        exit_hook = getattr(app.state, "exit", None)
+        if on_fatal == "exit" and exit_hook is not None:
+            exit_hook(FATAL_EXIT_CODE, f"the model is not being served: {reason}")
+
+    scheduler = Scheduler(served.runner(), max_batch, max_queue, metrics, on_fatal=fatal)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -57,43 +96,220 @@ def create_app(served: ServedModel, max_batch: int = 8, max_queue: int = 64) -> 
 
     app = FastAPI(title="ffn-fusion serve", lifespan=lifespan)
     app.state.served, app.state.scheduler, app.state.metrics = served, scheduler, metrics
-    api = _Api(served, scheduler, metrics)
+    app.state.draining = False
+    app.state.exit = None  # (code, reason) -> None: set by the server that runs the app
+    api = _Api(served, scheduler, metrics, app)
     _error_handlers(app, metrics)
+    app.add_middleware(_BodyLimit, limit=max_request_bytes)
 
-    @app.get("/health")
+    @app.get("/health", responses=_HEALTH)
     async def health() -> Response:
-        problem = scheduler.problem
+        problem = scheduler.problem or (SHUTTING_DOWN if app.state.draining else None)
         return JSONResponse({"status": problem or "ok"}, status_code=503 if problem else 200)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses=_METRICS)
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=_MODELS)
     async def models() -> dict:
         return {"object": "list", "data": [api.model_card()]}
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", responses=_MODEL)
     async def model(model_id: str) -> dict:
         api.check_model(model_id)
         return api.model_card()
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=_generation_responses("text_completion"))
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await api.respond("completions", body, api.completion_prompts(body), request)
+        prompts = await asyncio.to_thread(api.completion_prompts, body)
+        return await api.respond("completions", body, prompts, request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=_generation_responses("chat.completion"))
     async def chat_completions(body: ChatRequest, request: Request) -> Response:
-        return await api.respond("chat", body, api.chat_prompts(body), request)
+        prompts = await asyncio.to_thread(api.chat_prompts, body)
+        return await api.respond("chat", body, prompts, request)
 
+    app.openapi = lambda: _openapi(app, served.vocab, served.id, max_queue)  # type: ignore[method-assign]
     return app
 
 
+def drain(app: FastAPI) -> None:
+    """Stop admitting requests (503, /health 503); those already admitted go on."""
+    app.state.draining = True
+
+
+def abort(app: FastAPI, reason: str = SHUTTING_DOWN) -> None:
+    """End every waiting and running request with an error (503)."""
+    app.state.scheduler.abort(reason)
+
+
+# ------------------------------------------------------------------------------------ body limit
+
+
+class _BodyLimit:
+    """413 for a body above `limit` bytes: from Content-Length before anything is read, else (a chunked
+    body) as soon as the bytes received pass it; either way before the body is parsed."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.limit:
+            response = JSONResponse(self.error().body(), status_code=413, headers={"Connection": "close"})
+            await response(scope, receive, send)
+            return
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:  # FastAPI re-raises an HTTPException met while reading the body
+                raise StarletteHTTPException(413, self.error().message)
+            return message
+
+        await self.app(scope, limited, send)
+
+    def error(self) -> ApiError:
+        return ApiError(
+            413, f"the request body exceeds {self.limit} bytes (--max-request-bytes)", code="body_too_large"
+        )
+
+
+# ------------------------------------------------------------------------------------ OpenAPI
+
+
+def _error_schema() -> dict:
+    nullable = {"anyOf": [{"type": "string"}, {"type": "null"}]}
+    return {
+        "type": "object",
+        "required": ["error"],
+        "properties": {
+            "error": {
+                "type": "object",
+                "required": ["message", "type", "param", "code"],
+                "properties": {
+                    "message": {"type": "string"},
+                    "type": {"type": "string"},
+                    "param": nullable,
+                    "code": nullable,
+                },
+            }
+        },
+    }
+
+
+def _errors(*statuses: int) -> dict:
+    reasons = {
+        400: "a bad parameter, malformed JSON, or a limit the schema cannot state (context length, "
+        "min_tokens above max_tokens)",
+        404: "an unknown model or route",
+        413: "the body exceeds --max-request-bytes",
+        500: "a fault of this request's generation (named in the message)",
+        503: "the queue is full or the server is draining (Retry-After), or the model is not served any more",
+    }
+    return {
+        s: {"description": reasons[s], "content": {"application/json": {"schema": _error_schema()}}}
+        for s in statuses
+    }
+
+
+# each server-sent event: a JSON chunk, an error object, or [DONE] as its data
+_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}
+
+
+def _object(*required: str) -> dict:
+    return {"type": "object", "required": list(required)}
+
+
+def _generation_responses(kind: str) -> dict:
+    body = _object("id", "object", "created", "model", "choices")
+    body["properties"] = {"object": {"const": kind}, "choices": {"type": "array"}}
+    return {
+        200: {
+            "description": "the completion (JSON), or with stream: server-sent events of chunks, then [DONE]",
+            "content": {
+                "application/json": {"schema": body},
+                "text/event-stream": {"schema": _EVENT},
+            },
+        },
+        **_errors(400, 404, 413, 500, 503),
+    }
+
+
+_STATUS = {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}}
+_HEALTH = {
+    200: {"description": "serving", "content": {"application/json": {"schema": _STATUS}}},
+    503: {"description": "not serving (why)", "content": {"application/json": {"schema": _STATUS}}},
+}
+_METRICS = {
+    200: {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}
+}
+_MODELS = {
+    200: {
+        "description": "the served model",
+        "content": {"application/json": {"schema": _object("object", "data")}},
+    }
+}
+_MODEL = {
+    200: {
+        "description": "the model card",
+        "content": {"application/json": {"schema": _object("id", "object")}},
+    },
+    **_errors(404),
+}
+
+
+def _openapi(app: FastAPI, vocab: int | None, model: str, max_queue: int) -> dict:
+    """FastAPI's document, stating what this server answers: no 422 (validation errors are 400), token
+    ids below the vocabulary, and the one model it serves (any other is a 404)."""
+    if app.openapi_schema is not None:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    for path in schema.get("paths", {}).values():
+        for operation in path.values():
+            responses = operation.get("responses", {})
+            responses.pop("422", None)
+            if "requestBody" in operation:
+                operation["requestBody"]["required"] = True
+            for parameter in operation.get("parameters", []):
+                if parameter.get("name") == "model_id":
+                    parameter["schema"]["enum"] = [model]
+    schemas = schema.get("components", {}).get("schemas", {})
+    schemas.pop("HTTPValidationError", None)
+    schemas.pop("ValidationError", None)
+    for name in ("CompletionRequest", "ChatRequest"):
+        if name in schemas:
+            schemas[name]["properties"]["model"]["enum"] = [model]
+            schemas[name]["properties"]["n"]["maximum"] = max_queue
+    _bound_token_ids(schema, vocab)
+    app.openapi_schema = schema
+    return schema
+
+
+def _bound_token_ids(node: object, vocab: int | None) -> None:
+    if isinstance(node, dict):
+        if node.pop("x-token-id", False) and vocab is not None:
+            node["maximum"] = vocab - 1
+        for value in node.values():
+            _bound_token_ids(value, vocab)
+    elif isinstance(node, list):
+        for value in node:
+            _bound_token_ids(value, vocab)
+
+
 def _error_handlers(app: FastAPI, metrics: Metrics) -> None:
-    def answer(request: Request, error: ApiError) -> JSONResponse:
+    def answer(request: Request, error: ApiError, headers: dict | None = None) -> JSONResponse:
         metrics.requests.labels(_endpoint(request), str(error.status)).inc()
-        headers = {"Retry-After": "1"} if error.status in (429, 503) else None
-        return JSONResponse(error.body(), status_code=error.status, headers=headers)
+        headers = dict(headers or {})
+        if error.status == 429 or (error.status == 503 and error.code != "model_unavailable"):
+            headers["Retry-After"] = "1"  # worth retrying soon; a model that is gone is not
+        return _AsciiJSON(error.body(), status_code=error.status, headers=headers or None)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -101,27 +317,50 @@ def _error_handlers(app: FastAPI, metrics: Metrics) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
+        errors = list(exc.errors())
+        first = errors[0] if errors else {}
         if first.get("type") == "json_invalid":
             return answer(
                 request, ApiError(400, f"malformed JSON body: {first.get('msg', '')}", code="json_invalid")
             )
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        cause = first.get("ctx", {}).get("error")
-        if isinstance(cause, FieldError):  # a check across fields, or of a field it names
-            where = cause.field
-        message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
-        return answer(
-            request, ApiError(400, f"{where}: {message}" if where else message, param=where or None)
+        cause = next(
+            (e["ctx"]["error"] for e in errors if isinstance(e.get("ctx", {}).get("error"), FieldError)), None
         )
+        if cause is not None:  # a check across fields, or of a field it names
+            param = where = cause.field
+            message = str(cause)
+        else:  # a union reports every alternative: the deepest error is the most specific one
+            first = max(errors, key=lambda e: len(e.get("loc", ())), default={})
+            path = [p for p in first.get("loc", ()) if p != "body" and not _union_tag(p)]
+            where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".")
+            param = str(path[0]) if path else None
+            message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+        return answer(request, ApiError(400, f"{where}: {message}" if where else message, param=param))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return answer(request, ApiError(exc.status_code, str(exc.detail), code=str(exc.status_code)))
+        code = "body_too_large" if exc.status_code == 413 else str(exc.status_code)
+        return answer(request, ApiError(exc.status_code, str(exc.detail), code=code), exc.headers)
 
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception) -> JSONResponse:
         return answer(request, ApiError(500, f"internal error: {type(exc).__name__}: {exc}"))
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "literal", "model", "nullable"}
+
+
+def _union_tag(part: object) -> bool:
+    """pydantic's name of a union member in an error's location (`constrained-str`, `list[int]`)."""
+    return isinstance(part, str) and (part in _TYPE_TAGS or any(c in part for c in "[]-"))
+
+
+class _AsciiJSON(JSONResponse):
+    """Error JSON with non-ASCII characters escaped: a message quoting a client's lone surrogate stays
+    encodable (a plain JSONResponse would fail to encode it and drop the connection)."""
+
+    def render(self, content: object) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
 def _endpoint(request: Request) -> str:
@@ -130,10 +369,21 @@ def _endpoint(request: Request) -> str:
 
 
 class _Api:
-    def __init__(self, served: ServedModel, scheduler: Scheduler, metrics: Metrics) -> None:
-        self.served, self.scheduler, self.metrics = served, scheduler, metrics
+    def __init__(self, served: ServedModel, scheduler: Scheduler, metrics: Metrics, app: FastAPI) -> None:
+        self.served, self.scheduler, self.metrics, self.app = served, scheduler, metrics, app
         self.tokenizer = served.tokenizer
         self.texts = TokenTexts(served.tokenizer)
+        # a text longer than this cannot fit the context whatever it holds: refused before tokenizing it
+        self.max_chars = 4 * _longest_token(served.tokenizer) * served.max_context
+
+    def _check_chars(self, chars: int, where: str) -> None:
+        if self.max_chars and chars > self.max_chars:
+            raise ApiError(
+                400,
+                f"{where} has {chars} characters: more than this model's maximum context length of "
+                f"{self.served.max_context} tokens can hold",
+                param="messages" if where == "messages" else "prompt",
+            )
 
     def model_card(self) -> dict:
         s = self.served
@@ -163,6 +413,8 @@ class _Api:
         prompts, several = [], len(body.prompts) > 1
         for i, prompt in enumerate(body.prompts):
             text = isinstance(prompt, str)
+            if text:
+                self._check_chars(len(prompt), f"prompt[{i}]" if several else "prompt")
             ids = list(self.tokenizer(prompt)["input_ids"]) if text else [int(t) for t in prompt]
             self._check_ids(ids, f"prompt[{i}]" if several else "prompt")  # before decoding them
             echo = (prompt if text else self.tokenizer.decode(ids)) if body.echo else ""
@@ -174,6 +426,7 @@ class _Api:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ApiError(400, "this model's tokenizer has no chat template: use /v1/completions")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        self._check_chars(sum(len(m["content"]) for m in messages), "messages")
         try:
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         except Exception as exc:  # noqa: BLE001 - a template that rejects the messages is the client's error
@@ -216,6 +469,14 @@ class _Api:
         if body.min_tokens > wanted:
             raise ApiError(
                 400, f"min_tokens ({body.min_tokens}) exceeds max_tokens ({wanted})", param="min_tokens"
+            )
+        vocab = self.served.vocab
+        ending = set(body.stop_token_ids) | (set() if body.ignore_eos else set(self.served.eos_ids))
+        if body.min_tokens and vocab is not None and len(ending) >= vocab:
+            raise ApiError(
+                400,
+                "stop_token_ids (with the end-of-sequence ids) ban every token before min_tokens",
+                param="stop_token_ids",
             )
         limit = self.served.max_prompt
         for i, prompt in enumerate(prompts):
@@ -280,6 +541,8 @@ class _Api:
         max_tokens = self._limits(body, prompts)
         if problem := self.scheduler.problem:
             raise ApiError(503, f"the model is not being served: {problem}", code="model_unavailable")
+        if self.app.state.draining:
+            raise ApiError(503, f"{SHUTTING_DOWN}; retry on another replica", code="shutting_down")
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
 
@@ -312,19 +575,18 @@ class _Api:
         running = len(choices)
         try:
             while running:
-                index, event = await queue.get()
-                choice = choices[index]
-                if choice.finish is not None:
-                    continue  # ended by a stop string; its request is being cancelled
-                if event.kind == "error":
-                    raise GenerationFailed(event.reason)
-                update = choice.take(event)
-                if update is None:
-                    continue
-                if update.reason is not None:
-                    running -= 1
-                    self.scheduler.cancel(choice.job)  # no-op when it has finished
-                yield choice, update
+                events = [await queue.get()]
+                while not queue.empty():
+                    events.append(queue.get_nowait())
+                # detokenization (and stop strings) in a worker thread: the event loop stays free
+                updates = await asyncio.to_thread(_take, choices, events)
+                for choice, update in updates:
+                    if isinstance(update, GenerationFailed):
+                        raise update
+                    if update.reason is not None:
+                        running -= 1
+                        self.scheduler.cancel(choice.job)  # no-op when it has finished
+                    yield choice, update
         finally:
             for choice in choices:
                 self.scheduler.cancel(choice.job)
@@ -351,7 +613,7 @@ class _Api:
         try:
             return task.result()
         except GenerationFailed as exc:
-            raise ApiError(500, f"generation failed: {exc}") from None
+            raise _failure(exc) from None
 
     async def _events(
         self, updates: AsyncIterator, reply: Reply, usage: bool, arrived: float
@@ -365,8 +627,44 @@ class _Api:
             if usage:
                 yield {"data": json.dumps(reply.usage_chunk())}
         except GenerationFailed as exc:
-            yield {"data": json.dumps(ApiError(500, f"generation failed: {exc}").body())}
+            yield {"data": json.dumps(_failure(exc).body())}
         yield {"data": "[DONE]"}
+
+
+def _longest_token(tokenizer: object) -> int:
+    """The most characters one token can cover, bounded by its longest vocabulary entry (byte-level and
+    SentencePiece entries are at least as long as their text); 0 when the tokenizer has no vocabulary."""
+    try:
+        return max((len(k) for k in tokenizer.get_vocab()), default=0)  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001 - no bound: every prompt is tokenized
+        return 0
+
+
+def _take(
+    choices: list[Choice], events: list[tuple[int, Event]]
+) -> list[tuple[Choice, Update | GenerationFailed]]:
+    """The updates the events make (runs in a worker thread); an error event ends the list."""
+    out: list[tuple[Choice, Update | GenerationFailed]] = []
+    for index, event in events:
+        choice = choices[index]
+        if choice.finish is not None:
+            continue  # ended by a stop string; its request is being cancelled
+        if event.kind == "error":
+            out.append((choice, GenerationFailed(event.reason, event.status)))
+            break
+        update = choice.take(event)
+        if update is not None:
+            out.append((choice, update))
+    return out
+
+
+def _failure(exc: GenerationFailed) -> ApiError:
+    if exc.status == 503:
+        code = "shutting_down" if str(exc) == SHUTTING_DOWN else "model_unavailable"
+        return ApiError(503, str(exc), code=code)
+    if exc.status < 500:
+        return ApiError(exc.status, str(exc))
+    return ApiError(exc.status, f"generation failed: {exc}")
 
 
 @dataclass(frozen=True)

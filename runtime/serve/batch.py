@@ -18,6 +18,10 @@ graph gives logits at every prompt position: for the sequences named in `scored`
 prefill also returns their prompt tokens' logprobs (runtime.serve.logprobs.score_prompt), computed where
 the logits are (in rank 0's process for a TP folder), so only the entries travel.
 
+A decode step that fails for the whole batch is retried row by row (`RowsFailed`): the rows that fail
+alone leave the batch, the others go on with their step done; when every row fails alone the error is the
+backend's, and it is raised as it came.
+
 `GroupedRunner` is for graphs whose attention cannot take left padding (ONNX Runtime GenAI's
 GroupQueryAttention reads each row's length from the mask and assumes its tokens start at slot 0): every
 sequence keeps its own cache, and a step batches only the sequences of equal length (no padding at all).
@@ -55,6 +59,15 @@ def _prefilled(logits: np.ndarray, prompt: Sequence[int], top: int | None) -> Pr
     """From one row's logits [width, vocab] of a (left-padded) prefill of `prompt`."""
     scores = None if top is None else score_prompt(logits[logits.shape[0] - len(prompt) :], prompt, top)
     return Prefilled(logits[-1], scores)
+
+
+class RowsFailed(Exception):
+    """A batched call failed because of some rows only: `failed` maps their keys to the error (their rows
+    have left the batch), `done` holds the other rows' results."""
+
+    def __init__(self, done: dict[Hashable, np.ndarray], failed: dict[Hashable, str]) -> None:
+        super().__init__(f"{len(failed)} row(s) failed: {next(iter(failed.values()), '')}")
+        self.done, self.failed = done, failed
 
 
 class Runner(Protocol):
@@ -124,7 +137,10 @@ class CachedRunner:
         self.keys.pop(row)
         self.mask = np.delete(self.mask, row, axis=0)
         self.cache = {n: np.delete(a, row, axis=BATCH_AXIS) for n, a in self.cache.items()}
-        # drop the left columns that are padding in every remaining row
+        self._trim()
+
+    def _trim(self) -> None:
+        """Drop the left columns that are padding in every row."""
         real = self.mask.any(axis=0)
         start = int(real.argmax()) if real.any() else self.mask.shape[1]
         if start:
@@ -137,9 +153,37 @@ class CachedRunner:
             raise ValueError("decode needs exactly one new token per running sequence")
         ids = np.asarray([[tokens[k]] for k in self.keys], dtype=np.int64)
         mask = np.concatenate([self.mask, np.ones((len(self.keys), 1), dtype=np.int64)], axis=1)
-        logits, cache = self.model.forward(ids, mask, self.cache)
+        try:
+            logits, cache = self.model.forward(ids, mask, self.cache)
+        except Exception:
+            if len(self.keys) < 2:
+                raise
+            self._rows_alone(ids, mask)  # raises RowsFailed, or the error when every row fails
         self.mask, self.cache = mask, cache
         return {k: logits[row, -1] for row, k in enumerate(self.keys)}
+
+    def _rows_alone(self, ids: np.ndarray, mask: np.ndarray) -> None:
+        """The step again, one row at a time (its own left padding kept: the same arithmetic); the rows
+        that still fail leave the batch."""
+        done, failed, caches, kept = {}, {}, [], []
+        error: Exception | None = None
+        for row, key in enumerate(self.keys):
+            part = {n: a[row : row + 1] for n, a in self.cache.items()}
+            try:
+                logits, cache = self.model.forward(ids[row : row + 1], mask[row : row + 1], part)
+            except Exception as exc:  # noqa: BLE001 - this row fails alone
+                failed[key], error = f"{type(exc).__name__}: {exc}", exc
+                continue
+            done[key] = logits[0, -1]
+            caches.append(cache)
+            kept.append(row)
+        if not done:
+            raise error  # type: ignore[misc] - every row fails: the backend's error, not a row's
+        self.keys = [self.keys[r] for r in kept]
+        self.mask = mask[kept]
+        self.cache = {n: np.concatenate([c[n] for c in caches], axis=BATCH_AXIS) for n in caches[0]}
+        self._trim()
+        raise RowsFailed(done, failed)
 
 
 class GroupedRunner:

@@ -144,6 +144,7 @@ def load(
     max_context: int | None = None,
     tp_comm: str = "gloo",
     rank_timeout_s: float = 120.0,
+    rank_heartbeat_s: float = 5.0,
 ) -> ServedModel:
     """MODEL -> ServedModel; a TP folder's rank processes start here (`ServedModel.close` stops them)."""
     source = resolve(target, backend)
@@ -155,6 +156,7 @@ def load(
             threads=threads or 1,
             comm=tp_comm,
             timeout_s=rank_timeout_s,
+            heartbeat_timeout_s=rank_heartbeat_s,
         )
         try:
             return _served(target, name, source, None, ranks, max_context, left_padding)

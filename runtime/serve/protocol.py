@@ -1,12 +1,21 @@
-"""The OpenAI API's request bodies (pydantic), its error JSON, and incremental text with stop strings."""
+"""The OpenAI API's request bodies (pydantic), its error JSON, and incremental text with stop strings.
+
+The bodies are validated strictly (JSON `0` is not `false`, `1.0` is not an integer) so that the server
+accepts what its OpenAPI schema states; what the schema cannot state (a prompt too long for the context,
+min_tokens above max_tokens, token ids outside the vocabulary) is a 400 the schema documents. Numeric
+ranges keep the sampler's arithmetic finite (runtime.serve.sampling).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 MAX_STOPS = 4  # as the OpenAI API
+MAX_STOP_CHARS = 512  # per stop string: lm-eval's are a few characters; bounds the hold-back work
+MAX_STOP_TOKEN_IDS = 1024
+ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_LOGPROBS = 5  # /v1/completions' `logprobs` (as OpenAI and vLLM)
 MAX_TOP_LOGPROBS = 20  # /v1/chat/completions' `top_logprobs`
 # Fields the service does not implement: accepted only at these (default) values, else 400 naming them.
@@ -53,7 +62,43 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 
+def _surrogates(value: Any, where: str) -> str | None:
+    """The first field (dotted path) holding a string with a lone surrogate ("\\ud800" in JSON), which no
+    tokenizer can encode and no UTF-8 response can carry; None when there is none."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return where
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if (found := _surrogates(item, f"{where}.{key}" if where else str(key))) is not None:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            if (found := _surrogates(item, f"{where}[{i}]")) is not None:
+                return found
+    return None
+
+
+def _whole(value: Any) -> Any:
+    """JSON Schema's integer includes 50.0 (a number with no fraction): accept it as 50, nothing else."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_whole)]  # strict otherwise: no "50", no true
+TokenId = Annotated[Int, Field(ge=0, json_schema_extra={"x-token-id": True})]  # maximum: the app's vocab
+TextPrompt = Annotated[str, Field(min_length=1)]
+IdsPrompt = Annotated[list[TokenId], Field(min_length=1)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+_STRICT = ConfigDict(extra="ignore", strict=True)
+
+
 class StreamOptions(BaseModel):
+    model_config = _STRICT
+
     include_usage: bool = False
 
 
@@ -61,30 +106,37 @@ class _Generation(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions (vLLM's sampling parameters included).
     Unknown fields are ignored; the fields of UNSUPPORTED are refused unless at their defaults."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: Int | None = Field(None, ge=1)
+    # below runtime.serve.sampling.MIN_TEMPERATURE the sampler is greedy (as vLLM)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1)
+    top_k: Int = Field(0, ge=-1)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
-    seed: int | None = None
-    stop: str | list[str] | None = Field(None, validate_default=True)
-    stop_token_ids: list[int] = Field(default_factory=list)
-    min_tokens: int = Field(0, ge=0)
+    # from 0.01: a logit divided by less overflows float64 (the sampler would draw from NaN)
+    repetition_penalty: float | None = Field(None, ge=0.01, le=2.0)
+    seed: Int | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOPS)] | None = Field(
+        None, validate_default=True
+    )
+    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
+    min_tokens: Int = Field(0, ge=0)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1)
+    n: Int = Field(1, ge=1)
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever comes (benchmarks)
 
     @model_validator(mode="before")
     @classmethod
     def _unsupported(cls, data: Any) -> Any:
         if isinstance(data, dict):
+            if (where := _surrogates(data, "")) is not None:
+                field = where.split(".")[0].split("[")[0]
+                raise FieldError(field, f"{where} is not valid Unicode (a lone surrogate)")
             for name, defaults in UNSUPPORTED.items():
                 if name in data and not any(data[name] == d for d in defaults):
                     raise FieldError(name, f"{name} is not supported by this server")
@@ -93,10 +145,7 @@ class _Generation(BaseModel):
     @field_validator("stop")
     @classmethod
     def _stops(cls, value: str | list[str] | None) -> list[str]:
-        stops = [value] if isinstance(value, str) else list(value or [])
-        if len(stops) > MAX_STOPS or any(not s for s in stops):
-            raise ValueError(f"stop takes up to {MAX_STOPS} non-empty strings")
-        return stops
+        return [value] if isinstance(value, str) else list(value or [])
 
     @property
     def token_limit(self) -> int | None:
@@ -121,19 +170,26 @@ class CompletionRequest(_Generation):
     per prompt and `n`). `echo` returns the prompt before the completion (with its logprobs when asked);
     `max_tokens` 0 with echo scores a prompt without generating."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(None, ge=0)
+    prompt: (
+        TextPrompt
+        | IdsPrompt
+        | Annotated[list[TextPrompt], Field(min_length=1)]
+        | Annotated[list[IdsPrompt], Field(min_length=1)]
+    )
+    max_tokens: Int | None = Field(None, ge=0)
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
-    @field_validator("prompt")
+    @model_validator(mode="before")
     @classmethod
-    def _prompts(cls, value: Any) -> Any:
-        if not value:
-            raise ValueError("the prompt is empty")
-        if isinstance(value, list) and any(not p for p in value if isinstance(p, str | list)):
-            raise ValueError("the prompt list holds an empty prompt")
-        return value
+    def _empty_prompt(cls, data: Any) -> Any:
+        """A clearer message than the union's four alternatives for the commonest mistake."""
+        if isinstance(data, dict) and data.get("prompt") in ("", []):
+            raise FieldError("prompt", "the prompt is empty")
+        prompt = data.get("prompt") if isinstance(data, dict) else None
+        if isinstance(prompt, list) and any(p in ("", []) for p in prompt):
+            raise FieldError("prompt", "the prompt list holds an empty prompt")
+        return data
 
     @model_validator(mode="after")
     def _scoring(self) -> CompletionRequest:
@@ -156,26 +212,56 @@ class CompletionRequest(_Generation):
         return self.logprobs
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ContentPart(BaseModel):
+    """One part of a message's content; only text parts are read (others are refused)."""
 
-    role: str
-    content: str | list[dict] | None = None
+    model_config = _STRICT
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = _STRICT
+
+    role: Literal[ROLES]  # type: ignore[valid-type]
+    content: str | list[ContentPart] | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(str(p.get("text", "")) for p in self.content if p.get("type") == "text")
+            return "".join(p.text for p in self.content)
         return self.content or ""
 
 
 class ChatRequest(_Generation):
     """`logprobs` (true/false) with `top_logprobs` (0-20); `echo` (vLLM's: the reply starts with the last
-    message's content when that message is the assistant's) is not streamed."""
+    message's content when that message is the assistant's) is not streamed. The schema states both
+    combinations (`top_logprobs` above 0 needs `logprobs: true`; `echo` excludes `stream: true`)."""
+
+    model_config = ConfigDict(
+        extra="ignore",
+        strict=True,
+        json_schema_extra={
+            "allOf": [
+                {
+                    "if": {
+                        "properties": {"top_logprobs": {"type": "integer", "minimum": 1}},
+                        "required": ["top_logprobs"],
+                    },
+                    "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
+                },
+                {
+                    "if": {"properties": {"echo": {"const": True}}, "required": ["echo"]},
+                    "then": {"properties": {"stream": {"const": False}}},
+                },
+            ]
+        },
+    )
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: Int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
 
     @model_validator(mode="after")
@@ -198,7 +284,12 @@ class ChatRequest(_Generation):
 class TextStream:
     """The text of the tokens generated so far, handed out in pieces that never end inside a UTF-8
     character (the tokenizer's U+FFFD) and never show any part of a stop string. `push` returns
-    (new text, stopped); after a stop string the text ends just before it."""
+    (new text, stopped); after a stop string the text ends just before it.
+
+    Linear time in the output: detokenization is incremental (vLLM's prefix/read offsets: each push decodes
+    a window of the last few tokens, not the whole output), and each stop string is matched by a KMP
+    automaton that reads every new character once; its state is the longest stop-string prefix the text
+    ends with, which is what must be held back."""
 
     def __init__(self, tokenizer: Any, stops: list[str]) -> None:
         self.tokenizer = tokenizer
@@ -206,24 +297,64 @@ class TextStream:
         self.tokens: list[int] = []
         self.text = ""
         self.sent = 0  # characters handed out
+        self.prefix = 0  # tokens[prefix:read] decode to the text already taken (the window's left context)
+        self.read = 0
+        self.failure = [_failure(s) for s in stops]
+        self.states = [0] * len(stops)  # matched prefix length of each stop string
+        self.stopped: int | None = None  # where the first complete stop string starts
 
     def push(self, token: int) -> tuple[str, bool]:
         self.tokens.append(token)
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return "", False
-        self.text = text
-        found = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if self.stopped is not None:
+            return "", True
+        before = self._decode(self.tokens[self.prefix : self.read])
+        after = self._decode(self.tokens[self.prefix :])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return "", False  # inside a character (or a token with no text yet)
+        start = len(self.text)
+        self.text += after[len(before) :]
+        self.prefix, self.read = self.read, len(self.tokens)
+        found = []  # where each stop string completed in the new text starts (the earliest one cuts)
+        for i, stop in enumerate(self.stops):
+            for position in range(start, len(self.text)):
+                if self._advance(i, stop, self.text[position]):
+                    found.append(position + 1 - len(stop))
+                    break
         if found:
-            return self._upto(min(found)), True
-        held = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-        return self._upto(len(text) - held), False
+            self.stopped = min(found)
+            return self._upto(self.stopped), True
+        return self._upto(len(self.text) - max(self.states, default=0)), False
 
     def flush(self) -> str:
         """The rest (a held-back stop prefix that never completed) at the end of generation."""
-        return self._upto(len(self.text))
+        return self._upto(len(self.text) if self.stopped is None else self.stopped)
+
+    def _decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True) if tokens else ""
+
+    def _advance(self, i: int, stop: str, char: str) -> bool:
+        """Feed one character to stop string i's automaton; True when the whole string matched."""
+        k, failure = self.states[i], self.failure[i]
+        while k and stop[k] != char:
+            k = failure[k - 1]
+        if stop[k] == char:
+            k += 1
+        self.states[i] = k
+        return k == len(stop)
 
     def _upto(self, end: int) -> str:
         piece = self.text[self.sent : end] if end > self.sent else ""
         self.sent = max(self.sent, end)
         return piece
+
+
+def _failure(pattern: str) -> list[int]:
+    """KMP's failure function: for each prefix, the length of its longest proper border."""
+    table, k = [0] * len(pattern), 0
+    for i in range(1, len(pattern)):
+        while k and pattern[i] != pattern[k]:
+            k = table[k - 1]
+        if pattern[i] == pattern[k]:
+            k += 1
+        table[i] = k
+    return table

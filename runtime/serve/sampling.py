@@ -8,6 +8,11 @@
    likely than min_p times the most likely one), `top_k` (keep the k most likely; 0 or -1: all) and
    `top_p` (the smallest set whose mass reaches top_p), and one draw.
 
+Faults stay with their request: the request's own impossibility (every token banned) raises `NoTokenAllowed`
+(a client error), logits or probabilities that are not finite raise `SamplingError` (the scheduler fails
+that request alone). The API's ranges keep the arithmetic finite for finite logits: a temperature below
+MIN_TEMPERATURE is greedy (as vLLM: dividing by 1e-308 overflows), repetition_penalty is at least 0.01.
+
 Each request owns its random generator (seeded by the request's `seed`), so a seeded request draws the
 same tokens whatever else shares its batch. Logprobs are not this module's business: they are the model's
 own distribution (runtime.serve.logprobs), whatever the sampler does.
@@ -19,6 +24,16 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+
+MIN_TEMPERATURE = 1e-5  # vLLM's _SAMPLING_EPS: below it, sampling is greedy
+
+
+class SamplingError(ArithmeticError):
+    """No distribution to draw from (logits or probabilities that are not finite)."""
+
+
+class NoTokenAllowed(ValueError):
+    """The request banned every token (stop_token_ids and end-of-sequence ids before min_tokens)."""
 
 
 @dataclass
@@ -41,7 +56,7 @@ class Sampler:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < MIN_TEMPERATURE
 
     @property
     def penalized(self) -> bool:
@@ -55,15 +70,24 @@ class Sampler:
         banned: Collection[int] = (),
     ) -> int:
         scores = logits.astype(np.float64)
+        if np.isnan(scores).any():
+            raise SamplingError("the model's logits hold NaN")
         if self.penalized:
             scores = self._penalize(scores, prompt, output)
         if banned:
             scores[list(banned)] = -np.inf
+        best = scores.max()
+        if best == -np.inf and banned and np.isfinite(logits).any():
+            raise NoTokenAllowed("stop_token_ids and end-of-sequence ids ban every token before min_tokens")
+        if not np.isfinite(best):
+            raise SamplingError(f"the model's logits are not finite (largest {best})")
         if self.greedy:
             return int(np.argmax(scores))
         scaled = scores / self.temperature
         probs = np.exp(scaled - scaled.max())
         probs /= probs.sum()
+        if not np.isfinite(probs).all():
+            raise SamplingError(f"the probabilities are not finite (temperature {self.temperature})")
         if self.min_p > 0.0:
             probs[probs < self.min_p * probs.max()] = 0.0
         if 0 < self.top_k < probs.size:

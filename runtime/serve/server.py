@@ -1,4 +1,12 @@
-"""Run the app with uvicorn: in the foreground (tools/serve.py) or in a background thread (tests, demos)."""
+"""Run the app with uvicorn: in the foreground (tools/serve.py) or in a background thread (tests, demos).
+
+Shutdown as vLLM and Kubernetes expect it: the first SIGTERM (or SIGINT) stops admitting requests (503,
+/health 503) and lets the admitted ones finish for `drain_timeout_s` seconds; then every request still
+running ends with an error (a stream: an error event and [DONE]; otherwise error JSON), uvicorn closes the
+connections and the process exits 0. A second signal ends the drain at once. A fatal fault (the
+scheduler's, e.g. a TP rank that died or hung) with on_fatal "exit" makes `serve` exit 1 after one
+`error:` line, so that a supervisor restarts the server.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +15,66 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import FrameType
 
 import uvicorn
+from fastapi import FastAPI
 
 from passes.errors import UserError
-from runtime.serve.app import create_app
+from runtime.serve.app import MAX_REQUEST_BYTES, abort, create_app, drain
 from runtime.serve.loading import ServedModel, load
+
+DRAIN_TIMEOUT_S = 20.0  # below Kubernetes' default 30 s grace period
+CLOSE_TIMEOUT_S = 5.0  # uvicorn's wait for connections once the requests have ended
+
+
+class Server(uvicorn.Server):
+    """uvicorn with the drain of the module docstring and a fatal exit code (`exit_code`, `exit_reason`)."""
+
+    def __init__(
+        self, config: uvicorn.Config, app: FastAPI, drain_timeout_s: float = DRAIN_TIMEOUT_S
+    ) -> None:
+        super().__init__(config)
+        self.fastapi, self.drain_timeout_s = app, drain_timeout_s
+        self.exit_code, self.exit_reason = 0, ""
+        self._drain_started = threading.Event()
+        app.state.exit = self.fatal_exit
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """A signal (main thread): drain, or when already draining, stop now. The signal is not re-raised
+        after the shutdown (uvicorn's default): a drained server exits 0."""
+        if self._drain_started.is_set():
+            abort(self.fastapi)
+            self.should_exit = True
+            return
+        self.begin_shutdown()
+
+    def begin_shutdown(self) -> None:
+        self._drain_started.set()
+        drain(self.fastapi)
+        threading.Thread(target=self._drain, name="serve-drain", daemon=True).start()
+
+    def _drain(self) -> None:
+        scheduler = self.fastapi.state.scheduler
+        deadline = time.monotonic() + self.drain_timeout_s
+        while not scheduler.idle and time.monotonic() < deadline and not self.should_exit:
+            time.sleep(0.05)
+        if not scheduler.idle:
+            abort(self.fastapi)
+            deadline = time.monotonic() + CLOSE_TIMEOUT_S
+            while not scheduler.idle and time.monotonic() < deadline:
+                time.sleep(0.05)
+        time.sleep(0.2)  # the last events reach their streams before uvicorn closes the connections
+        self.should_exit = True
+
+    def fatal_exit(self, code: int, reason: str) -> None:
+        """The app's exit hook (called on the scheduler thread after every request was failed)."""
+        self.exit_code, self.exit_reason = code, reason
+        self.should_exit = True
+
+
+def _config(app: FastAPI, **kwargs: object) -> uvicorn.Config:
+    return uvicorn.Config(app, timeout_graceful_shutdown=CLOSE_TIMEOUT_S, **kwargs)
 
 
 def _check_port(host: str, port: int) -> None:
@@ -34,8 +96,12 @@ def serve(
     max_batch: int = 8,
     max_queue: int = 64,
     log_level: str = "info",
+    max_request_bytes: int = MAX_REQUEST_BYTES,
+    drain_timeout_s: float = DRAIN_TIMEOUT_S,
+    on_fatal: str = "exit",
     **load_args,
-) -> None:
+) -> int:
+    """Serve until a signal (exit status 0 after the drain) or a fatal fault with on_fatal "exit" (1)."""
     _check_port(host, port)
     served = load(model, **load_args)
     print(
@@ -44,21 +110,33 @@ def serve(
         file=sys.stderr,
         flush=True,
     )
-    app = create_app(served, max_batch, max_queue)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    app = create_app(served, max_batch, max_queue, max_request_bytes=max_request_bytes, on_fatal=on_fatal)
+    server = Server(_config(app, host=host, port=port, log_level=log_level), app, drain_timeout_s)
+    server.run()
+    if server.exit_code:
+        print(f"error: {server.exit_reason}; exiting (--on-fatal exit)", file=sys.stderr, flush=True)
+    return server.exit_code
 
 
 class ServerThread:
     """The app on 127.0.0.1 at a free port, served by uvicorn in a daemon thread; a context manager."""
 
-    def __init__(self, served: ServedModel, max_batch: int = 8, max_queue: int = 64, port: int = 0) -> None:
-        self.app = create_app(served, max_batch, max_queue)
+    def __init__(
+        self,
+        served: ServedModel,
+        max_batch: int = 8,
+        max_queue: int = 64,
+        port: int = 0,
+        *,
+        drain_timeout_s: float = DRAIN_TIMEOUT_S,
+        **app_args: object,
+    ) -> None:
+        self.app = create_app(served, max_batch, max_queue, **app_args)  # type: ignore[arg-type]
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", port))
         self.port = self.sock.getsockname()[1]
-        config = uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=2)
-        self.server = uvicorn.Server(config)
+        self.server = Server(_config(self.app, log_level="warning"), self.app, drain_timeout_s)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     @property

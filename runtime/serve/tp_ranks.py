@@ -10,11 +10,17 @@ The server sends every call (prefill_many, decode, release) to all ranks over on
 same runner code on the same inputs in lockstep, all-reducing inside the step, so their caches stay
 aligned; rank 0 sends back the logits, the others only "ok". No cache crosses a process boundary.
 
-Failures: a rank that exits, dies, or does not answer within `timeout_s` breaks the group: every rank
-process is stopped, the call raises `RanksDown` (the scheduler turns that into an error for the requests
-of that step: 500), and `problem` says why (the app then answers 503 and /health fails). A Python error
-that every rank raises alike (a bad call) fails only that call. `close()` stops the processes (the app
-calls it on shutdown); a rank whose server went away exits when its pipe closes.
+Failures: a rank that exits, dies, stops beating, or does not answer within `timeout_s` breaks the group:
+every rank process is stopped, the call raises `RanksDown` and `problem` says why; the scheduler treats a
+problem as fatal (every request fails; the server exits or answers 503, runtime/serve/app.py). A Python
+error that every rank raises alike (a bad call) fails only that call. `close()` stops the processes (the
+app calls it on shutdown); a rank whose server went away exits when its pipe closes.
+
+Heartbeat: a thread in every rank process writes the time into a shared array every HEARTBEAT_S, whatever
+the rank's main thread is doing (ONNX Runtime and the collectives release the GIL); a monitor thread here
+breaks the group when a rank's beat is older than `heartbeat_timeout_s`, naming that rank. So a rank that
+hangs (SIGSTOP, a stuck driver) is found in seconds, not at `timeout_s`, and not blamed on the rank that
+waits for it in an all-reduce.
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ from runtime.ports import free_port
 from runtime.serve.batch import Prefilled, Scored, runner_for
 from runtime.tp.gloo import init_gloo
 
+HEARTBEAT_S = 0.25
+HEARTBEAT_TIMEOUT_S = 5.0
 ERROR_GRACE_S = 5.0  # after one rank reports an error, how long the others may take to answer
 STOP_WAIT_S = 10.0
 COMMS = ("gloo", "nccl")
@@ -64,7 +72,14 @@ class RankSettings:
 # ------------------------------------------------------------------------------------ a rank process
 
 
-def _rank_main(rank: int, settings: RankSettings, conn: Connection) -> None:
+def _beat(beats: Any, rank: int) -> None:
+    while True:
+        beats[rank] = time.monotonic()  # CLOCK_MONOTONIC: one clock for every process of the machine
+        time.sleep(HEARTBEAT_S)
+
+
+def _rank_main(rank: int, settings: RankSettings, conn: Connection, beats: Any) -> None:
+    threading.Thread(target=_beat, args=(beats, rank), name="tp-heartbeat", daemon=True).start()
     if settings.comm == "nccl":  # before CUDA initializes: GPU `rank` is this process's device 0
         os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
     import torch.distributed as dist
@@ -120,6 +135,7 @@ class TpRanks:
         comm: str = "gloo",
         timeout_s: float = 120.0,
         start_timeout_s: float = 600.0,
+        heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
     ) -> None:
         if comm not in COMMS:
             raise UserError(f"unknown collective backend {comm!r}; use {' or '.join(COMMS)}")
@@ -133,12 +149,17 @@ class TpRanks:
         self.in_call = False
         self._lock = threading.Lock()
         context = _context()
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.beats = context.Array("d", [time.monotonic()] * world, lock=False)
         self.conns: list[Connection] = []
         self.processes: list[Any] = []
         for rank in range(world):
             ours, theirs = context.Pipe()
             process = context.Process(
-                target=_rank_main, args=(rank, self.settings, theirs), name=f"tp-rank{rank}", daemon=True
+                target=_rank_main,
+                args=(rank, self.settings, theirs, self.beats),
+                name=f"tp-rank{rank}",
+                daemon=True,
             )
             process.start()
             theirs.close()
@@ -157,6 +178,7 @@ class TpRanks:
         self.vocab: int | None = info["vocab"]
         self.cached: bool = info["cached"]
         self.name = f"{info['name']} ({world} processes)"
+        threading.Thread(target=self._monitor, name="tp-monitor", daemon=True).start()
 
     @property
     def world(self) -> int:
@@ -216,6 +238,21 @@ class TpRanks:
 
     # ---------------------------------------------------------------------------------- plumbing
 
+    def _monitor(self) -> None:
+        """Break the group when a rank's heartbeat is older than heartbeat_timeout_s (module docstring).
+        The processes are killed here; a call waiting on them then fails at once, with this reason."""
+        while self.failure is None:
+            time.sleep(HEARTBEAT_S)
+            now = time.monotonic()
+            late = [(now - self.beats[r], r) for r in range(self.world) if self.processes[r].is_alive()]
+            late = [(age, r) for age, r in late if age > self.heartbeat_timeout_s]
+            if late and self.failure is None:
+                age, rank = max(late)
+                self.failure = f"rank {rank} stopped answering (no heartbeat for {age:.1f} s)"
+                for process in self.processes:
+                    if process.is_alive():
+                        process.kill()
+
     def _call(self, op: str, *args: Any) -> Any:
         with self._lock:
             if self.problem is not None:
@@ -243,6 +280,8 @@ class TpRanks:
         deadline = start + timeout_s
 
         def down(reason: str) -> RanksDown:
+            if self.failure is not None:  # the heartbeat monitor found the rank to blame
+                return RanksDown(self.failure)
             first = next((f"rank {r}: {v[1]}" for r, v in enumerate(replies) if v and v[0] == "error"), None)
             return RanksDown(f"{first} ({reason})" if first else reason)
 

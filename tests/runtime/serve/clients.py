@@ -3,6 +3,7 @@ OpenAI error JSON, and tools/serve.py started as a user starts it."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -66,3 +67,23 @@ def wait_healthy(
             time.sleep(0.2)
     process.kill()
     raise AssertionError(f"{command} did not become healthy")
+
+
+def raw_stream(url: str, body: dict, route: str = "completions", timeout: float = 60) -> list[str]:
+    """A streamed request read as a client library would: every `data:` payload, in order (status 200)."""
+    payloads = []
+    with httpx.stream("POST", f"{url}/v1/{route}", json=body, timeout=timeout) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line.startswith("data:"):
+                payloads.append(line.removeprefix("data:").strip())
+    return payloads
+
+
+def stream_outcome(payloads: list[str]) -> tuple[str, dict | None]:
+    """(finish_reason of the last choice chunk or "", the error object or None); asserts [DONE] ends it."""
+    assert payloads and payloads[-1] == "[DONE]", payloads[-3:]
+    chunks = [json.loads(p) for p in payloads[:-1]]
+    errors = [c["error"] for c in chunks if "error" in c]
+    reasons = [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices")]
+    return next((r for r in reversed(reasons) if r), ""), (errors[-1] if errors else None)
