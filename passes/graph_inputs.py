@@ -271,7 +271,7 @@ def _fused_cache_head_dims(proto: onnx.ModelProto) -> dict[str, int]:
         attrs = {a.name: a.i for a in node.attribute}
         heads, kv_heads = attrs.get("num_heads", 0), attrs.get("kv_num_heads", 0)
         packed = len(node.input) < 2 or not node.input[1]
-        width = _linear_width(producers.get(node.input[0]), shapes)
+        width = _linear_width(producers.get(node.input[0]), shapes, producers)
         divisor = heads + 2 * kv_heads if packed else heads
         if width and divisor and width % divisor == 0:
             for name in node.input[3:5]:
@@ -279,15 +279,22 @@ def _fused_cache_head_dims(proto: onnx.ModelProto) -> dict[str, int]:
     return found
 
 
-def _linear_width(node: onnx.NodeProto | None, shapes: dict[str, list[int]]) -> int | None:
-    """Output features of a MatMul with a constant [in, out] weight, or of a MatMulNBits."""
+def _linear_width(
+    node: onnx.NodeProto | None, shapes: dict[str, list[int]], producers: dict[str, onnx.NodeProto]
+) -> int | None:
+    """Output features of a MatMul with a constant [in, out] weight (or an FP8 one behind its
+    DequantizeLinear, passes/quant/fp8.py), or of a MatMulNBits."""
     if node is None:
         return None
     if node.op_type == "MatMulNBits":
         return next((a.i for a in node.attribute if a.name == "N"), None)
-    if node.op_type == "MatMul" and len(shapes.get(node.input[1], [])) == 2:
-        return shapes[node.input[1]][1]
-    return None
+    if node.op_type != "MatMul":
+        return None
+    weight = node.input[1]
+    dequantize = producers.get(weight)
+    if dequantize is not None and dequantize.op_type == "DequantizeLinear":
+        weight = dequantize.input[0]
+    return shapes[weight][1] if len(shapes.get(weight, [])) == 2 else None
 
 
 def _input(index: int, name: str, dtype: np.dtype, dims: tuple[Dim, ...]) -> GraphInput:

@@ -173,15 +173,22 @@ def _float_weight(node: ir.Node) -> FloatWeight | None:
     return FloatWeight(value=ref.source, tensor=tensor, transpose=ref.source_axis(0) == 1, dtype=dtype)
 
 
-def _reaches_output_without_matmul(value: ir.Value) -> bool:
+# Consumers through which no value flows, only a shape (Optimum reads the stream's batch size with Shape to
+# reshape the KV cache: followed, every projection writing the stream would "reach" a present.* output).
+_SHAPE_ONLY = ("Shape", "Size")
+
+
+def _reaches_logits_without_matmul(value: ir.Value, logits: ir.Value) -> bool:
+    """Whether `value` flows into the logits (the graph's first output, in every exporter's graphs) through
+    no other MatMul: the lm_head. k/v projections reach the present.* cache outputs, not the logits."""
     seen: set[int] = set()
     stack = [value]
     while stack:
         current = stack.pop()
-        if current.is_graph_output():
+        if current is logits:
             return True
         for node in current.consumers():
-            if id(node) in seen or node.op_type in ("MatMul", "Gemm"):
+            if id(node) in seen or node.op_type in ("MatMul", "Gemm", *_SHAPE_ONLY):
                 continue
             seen.add(id(node))
             stack.extend(node.outputs)
@@ -200,6 +207,6 @@ def find_linears(graph: ir.Graph) -> list[Linear]:
         weight = _float_weight(node)
         if weight is None or not weight.dtype.is_floating_point():
             continue
-        lm_head = _reaches_output_without_matmul(node.outputs[0])
+        lm_head = bool(graph.outputs) and _reaches_logits_without_matmul(node.outputs[0], graph.outputs[0])
         found.append(Linear(node=node, activation=a, weight=weight, is_lm_head=lm_head))
     return found

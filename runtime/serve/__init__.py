@@ -13,7 +13,8 @@
 - logprobs.py: token logprobs (log-softmax of the float32 logits) and the OpenAI logprobs formats
 - protocol.py: request bodies, OpenAI error JSON, incremental text with stop strings
 - responses.py: each choice's text, logprobs and finish reason as OpenAI bodies and stream chunks
-- app.py: the HTTP routes (FastAPI + sse-starlette); metrics.py: Prometheus metrics
+- app.py: the HTTP routes (FastAPI + sse-starlette); openapi.py: the OpenAPI document and the body limit;
+  metrics.py: Prometheus metrics
 - server.py: uvicorn around the app (tools/serve.py): drain on SIGTERM, exit 1 on a fatal fault;
   the serving benchmark is runtime/bench/serve.py
 """

@@ -29,15 +29,22 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from sse_starlette.sse import AppStatus, EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from runtime.serve.loading import ServedModel
 from runtime.serve.logprobs import TokenLogprob, TokenTexts
 from runtime.serve.metrics import Metrics
+from runtime.serve.openapi import (
+    HEALTH_RESPONSES,
+    METRICS_RESPONSES,
+    MODEL_RESPONSES,
+    MODELS_RESPONSES,
+    BodyLimit,
+    generation_responses,
+    openapi_document,
+)
 from runtime.serve.protocol import (
     ApiError,
     ChatRequest,
@@ -100,37 +107,37 @@ def create_app(
     app.state.exit = None  # (code, reason) -> None: set by the server that runs the app
     api = _Api(served, scheduler, metrics, app)
     _error_handlers(app, metrics)
-    app.add_middleware(_BodyLimit, limit=max_request_bytes)
+    app.add_middleware(BodyLimit, limit=max_request_bytes)
 
-    @app.get("/health", responses=_HEALTH)
+    @app.get("/health", responses=HEALTH_RESPONSES)
     async def health() -> Response:
         problem = scheduler.problem or (SHUTTING_DOWN if app.state.draining else None)
         return JSONResponse({"status": problem or "ok"}, status_code=503 if problem else 200)
 
-    @app.get("/metrics", response_class=Response, responses=_METRICS)
+    @app.get("/metrics", response_class=Response, responses=METRICS_RESPONSES)
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/v1/models", responses=_MODELS)
+    @app.get("/v1/models", responses=MODELS_RESPONSES)
     async def models() -> dict:
         return {"object": "list", "data": [api.model_card()]}
 
-    @app.get("/v1/models/{model_id:path}", responses=_MODEL)
+    @app.get("/v1/models/{model_id:path}", responses=MODEL_RESPONSES)
     async def model(model_id: str) -> dict:
         api.check_model(model_id)
         return api.model_card()
 
-    @app.post("/v1/completions", responses=_generation_responses("text_completion"))
+    @app.post("/v1/completions", responses=generation_responses("text_completion"))
     async def completions(body: CompletionRequest, request: Request) -> Response:
         prompts = await asyncio.to_thread(api.completion_prompts, body)
         return await api.respond("completions", body, prompts, request)
 
-    @app.post("/v1/chat/completions", responses=_generation_responses("chat.completion"))
+    @app.post("/v1/chat/completions", responses=generation_responses("chat.completion"))
     async def chat_completions(body: ChatRequest, request: Request) -> Response:
         prompts = await asyncio.to_thread(api.chat_prompts, body)
         return await api.respond("chat", body, prompts, request)
 
-    app.openapi = lambda: _openapi(app, served.vocab, served.id, max_queue)  # type: ignore[method-assign]
+    app.openapi = lambda: openapi_document(app, served.vocab, served.id, max_queue)  # type: ignore[method-assign]
     return app
 
 
@@ -142,165 +149,6 @@ def drain(app: FastAPI) -> None:
 def abort(app: FastAPI, reason: str = SHUTTING_DOWN) -> None:
     """End every waiting and running request with an error (503)."""
     app.state.scheduler.abort(reason)
-
-
-# ------------------------------------------------------------------------------------ body limit
-
-
-class _BodyLimit:
-    """413 for a body above `limit` bytes: from Content-Length before anything is read, else (a chunked
-    body) as soon as the bytes received pass it; either way before the body is parsed."""
-
-    def __init__(self, app: ASGIApp, limit: int) -> None:
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        length = dict(scope.get("headers") or []).get(b"content-length", b"")
-        if length.isdigit() and int(length) > self.limit:
-            response = JSONResponse(self.error().body(), status_code=413, headers={"Connection": "close"})
-            await response(scope, receive, send)
-            return
-        seen = 0
-
-        async def limited() -> Message:
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.limit:  # FastAPI re-raises an HTTPException met while reading the body
-                raise StarletteHTTPException(413, self.error().message)
-            return message
-
-        await self.app(scope, limited, send)
-
-    def error(self) -> ApiError:
-        return ApiError(
-            413, f"the request body exceeds {self.limit} bytes (--max-request-bytes)", code="body_too_large"
-        )
-
-
-# ------------------------------------------------------------------------------------ OpenAPI
-
-
-def _error_schema() -> dict:
-    nullable = {"anyOf": [{"type": "string"}, {"type": "null"}]}
-    return {
-        "type": "object",
-        "required": ["error"],
-        "properties": {
-            "error": {
-                "type": "object",
-                "required": ["message", "type", "param", "code"],
-                "properties": {
-                    "message": {"type": "string"},
-                    "type": {"type": "string"},
-                    "param": nullable,
-                    "code": nullable,
-                },
-            }
-        },
-    }
-
-
-def _errors(*statuses: int) -> dict:
-    reasons = {
-        400: "a bad parameter, malformed JSON, or a limit the schema cannot state (context length, "
-        "min_tokens above max_tokens)",
-        404: "an unknown model or route",
-        413: "the body exceeds --max-request-bytes",
-        500: "a fault of this request's generation (named in the message)",
-        503: "the queue is full or the server is draining (Retry-After), or the model is not served any more",
-    }
-    return {
-        s: {"description": reasons[s], "content": {"application/json": {"schema": _error_schema()}}}
-        for s in statuses
-    }
-
-
-# each server-sent event: a JSON chunk, an error object, or [DONE] as its data
-_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}
-
-
-def _object(*required: str) -> dict:
-    return {"type": "object", "required": list(required)}
-
-
-def _generation_responses(kind: str) -> dict:
-    body = _object("id", "object", "created", "model", "choices")
-    body["properties"] = {"object": {"const": kind}, "choices": {"type": "array"}}
-    return {
-        200: {
-            "description": "the completion (JSON), or with stream: server-sent events of chunks, then [DONE]",
-            "content": {
-                "application/json": {"schema": body},
-                "text/event-stream": {"schema": _EVENT},
-            },
-        },
-        **_errors(400, 404, 413, 500, 503),
-    }
-
-
-_STATUS = {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}}
-_HEALTH = {
-    200: {"description": "serving", "content": {"application/json": {"schema": _STATUS}}},
-    503: {"description": "not serving (why)", "content": {"application/json": {"schema": _STATUS}}},
-}
-_METRICS = {
-    200: {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}
-}
-_MODELS = {
-    200: {
-        "description": "the served model",
-        "content": {"application/json": {"schema": _object("object", "data")}},
-    }
-}
-_MODEL = {
-    200: {
-        "description": "the model card",
-        "content": {"application/json": {"schema": _object("id", "object")}},
-    },
-    **_errors(404),
-}
-
-
-def _openapi(app: FastAPI, vocab: int | None, model: str, max_queue: int) -> dict:
-    """FastAPI's document, stating what this server answers: no 422 (validation errors are 400), token
-    ids below the vocabulary, and the one model it serves (any other is a 404)."""
-    if app.openapi_schema is not None:
-        return app.openapi_schema
-    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-    for path in schema.get("paths", {}).values():
-        for operation in path.values():
-            responses = operation.get("responses", {})
-            responses.pop("422", None)
-            if "requestBody" in operation:
-                operation["requestBody"]["required"] = True
-            for parameter in operation.get("parameters", []):
-                if parameter.get("name") == "model_id":
-                    parameter["schema"]["enum"] = [model]
-    schemas = schema.get("components", {}).get("schemas", {})
-    schemas.pop("HTTPValidationError", None)
-    schemas.pop("ValidationError", None)
-    for name in ("CompletionRequest", "ChatRequest"):
-        if name in schemas:
-            schemas[name]["properties"]["model"]["enum"] = [model]
-            schemas[name]["properties"]["n"]["maximum"] = max_queue
-    _bound_token_ids(schema, vocab)
-    app.openapi_schema = schema
-    return schema
-
-
-def _bound_token_ids(node: object, vocab: int | None) -> None:
-    if isinstance(node, dict):
-        if node.pop("x-token-id", False) and vocab is not None:
-            node["maximum"] = vocab - 1
-        for value in node.values():
-            _bound_token_ids(value, vocab)
-    elif isinstance(node, list):
-        for value in node:
-            _bound_token_ids(value, vocab)
 
 
 def _error_handlers(app: FastAPI, metrics: Metrics) -> None:
