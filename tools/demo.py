@@ -1,19 +1,24 @@
-"""`make demo`: FFN Fusion on the real SmolLM2-135M with attention removed from blocks 13-22.
+"""`make demo`: attention pruning with local distillation, then FFN Fusion, on the real SmolLM2-135M.
 
 The demo starts where a user with a Hugging Face checkpoint starts: a model folder saved by transformers
-(config.json, model.safetensors, tokenizer files; here SmolLM2 with attention dropped from blocks 13-22 by
-exporters.hf.folder). Export it with `export_model.py --hf` (weights streamed from the safetensors),
-analyze block dependencies and propose a plan, fuse and validate, evaluate quality on held-out text, heal
-the fused groups, then export the KV-cache decode graph, fuse it with the same plan, give it the healed
-weights (heal.py --weights-from), generate with it, and serve it: the demo ends with the healed model
-answering a chat request through tools/serve.py. Each step prints the command it runs, so the demo doubles
-as a tutorial. Outputs go to demo_out/ (exports are reused).
+(config.json, model.safetensors, tokenizer files; here the unpruned SmolLM2, exporters.hf.folder). It
+removes attention from the six layers whose attention matters least, in two runs of three
+(tools/prune_attention.py --remove 6 --runs 2: measured importance chooses 5-7 and 25-27), distills each
+pruned layer locally and writes a Nemotron-NAS checkpoint; both folders are cached under
+~/.cache/ffn-fusion/demo/ after the first run. Then the usual path: export with `export_model.py --hf`,
+analyze block dependencies and propose a plan, fuse and validate, evaluate, heal the fused groups, export
+the KV-cache decode graph, fuse it with the same plan, give it the healed weights (heal.py
+--weights-from), and generate with the unpruned, pruned, fused and healed models on the same three
+questions; serve the healed model and ask them over HTTP; and print one quality table of the four models
+(tools/quality.py: lm-eval accuracy through the server, perplexity, KL, top-1). Each step prints the
+command it runs, so the demo doubles as a tutorial. Outputs go to demo_out/ (exports are reused).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import socket
 import subprocess
@@ -24,7 +29,14 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PROMPT = "What is the capital of France?"
+QUESTIONS = (
+    "What is the capital of France?",
+    "How many days are there in a week?",
+    "What is the largest planet in the solar system?",
+)
+PROMPT = QUESTIONS[0]
+CACHE = Path(os.environ.get("FFN_FUSION_CACHE", Path.home() / ".cache" / "ffn-fusion")) / "demo"
+PRUNE_ARGS = ("--remove", 6, "--runs", 2, "--eval-tokens", 1024)  # two runs of three, by importance
 
 
 def step(title: str, tool: str, *args: object) -> None:
@@ -35,18 +47,33 @@ def step(title: str, tool: str, *args: object) -> None:
         raise SystemExit(f"error: step '{title}' failed")
 
 
-SAVE_FOLDER = "import sys; from exporters.hf.folder import save_smollm2 as s; s(sys.argv[1], range(13, 23))"
+SAVE_FOLDER = "import sys; from exporters.hf.folder import save_smollm2 as s; s(sys.argv[1])"
 
 
 def save_folder_once(folder: Path) -> None:
-    """SmolLM2 as a Hugging Face folder (what users download from the Hub), attention dropped in 13-22."""
-    title = "Save SmolLM2-135M-Instruct as a Hugging Face folder (attention dropped from blocks 13-22)"
+    """SmolLM2 as a Hugging Face folder (what users download from the Hub), cached."""
+    title = "Save SmolLM2-135M-Instruct as a Hugging Face folder"
     if (folder / "config.json").exists():
         print(f"\n== {title}\n(reusing {folder})")
         return
     print(f"\n== {title}\n$ python -c {shlex.quote(SAVE_FOLDER)} {folder}", flush=True)
     if subprocess.run([sys.executable, "-c", SAVE_FOLDER, str(folder)], cwd=ROOT).returncode != 0:
         raise SystemExit("error: saving the Hugging Face folder failed")
+
+
+def prune_once(folder: Path, pruned: Path, plot: Path) -> list[int]:
+    """tools/prune_attention.py (cached): importance, the layers, the local distillation, its table."""
+    title = "Remove attention from the 6 least important layers in 2 runs, distill each layer locally"
+    if (pruned / "pruning.json").exists():
+        print(f"\n== {title}\n(reusing {pruned}; its report:)")
+        from runtime.prune.report import QualityRow, format_report  # torch: only to print a cached report
+
+        record = json.loads((pruned / "pruning.json").read_text())
+        print(format_report([QualityRow(**row) for row in record["quality"]]))
+    else:
+        step(title, "prune_attention", folder, *PRUNE_ARGS, "--plot", plot, "-o", pruned)
+        record = json.loads((pruned / "pruning.json").read_text())
+    return record["removed_attention"]
 
 
 def export_once(title: str, folder: Path, path: Path, *args: object) -> None:
@@ -63,7 +90,8 @@ def _free_port() -> int:
 
 
 def serve_and_ask(title: str, model: Path, max_tokens: int = 24) -> None:
-    """tools/serve.py on `model`, one chat request over HTTP once /health answers, then the server stops."""
+    """tools/serve.py on `model`, the questions as chat requests over HTTP once /health answers, then the
+    server stops."""
     port = _free_port()
     args = [model, "--model-name", "healed", "--port", port, "--log-level", "warning"]
     shown = " ".join(shlex.quote(str(a)) for a in ["tools/serve.py", *args])
@@ -80,21 +108,22 @@ def serve_and_ask(title: str, model: Path, max_tokens: int = 24) -> None:
                     break
             except (urllib.error.URLError, OSError):
                 time.sleep(0.5)
-        body = {
-            "model": "healed",
-            "messages": [{"role": "user", "content": PROMPT}],
-            "max_tokens": max_tokens,
-            "temperature": 0,
-        }
-        print(f"$ curl {url}/v1/chat/completions -d '{json.dumps(body)}'", flush=True)
-        request = urllib.request.Request(
-            url + "/v1/chat/completions",
-            json.dumps(body).encode(),
-            {"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(request, timeout=300) as response:
-            reply = json.load(response)
-        print(f"assistant: {reply['choices'][0]['message']['content']!r}")
+        for question in QUESTIONS:
+            body = {
+                "model": "healed",
+                "messages": [{"role": "user", "content": question}],
+                "max_tokens": max_tokens,
+                "temperature": 0,
+            }
+            print(f"$ curl {url}/v1/chat/completions -d '{json.dumps(body)}'", flush=True)
+            request = urllib.request.Request(
+                url + "/v1/chat/completions",
+                json.dumps(body).encode(),
+                {"Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(request, timeout=300) as response:
+                reply = json.load(response)
+            print(f"assistant: {reply['choices'][0]['message']['content']!r}")
     finally:
         process.terminate()
         process.wait(timeout=60)
@@ -109,16 +138,18 @@ def main() -> None:
     )
     out = parser.parse_args().out
     out.mkdir(parents=True, exist_ok=True)
-    folder = out / "smollm2_hf"
-    model, decode = out / "onnx" / "model.onnx", out / "onnx_decode" / "model.onnx"
-    fused, fused_decode = model.with_name("model.fused.onnx"), decode.with_name("model.fused.onnx")
-    healed_decode = decode.with_name("model.healed.onnx")
+    folder, pruned = CACHE / "smollm2-hf", CACHE / "smollm2-pruned-remove6-runs2"
+    # File stems name the rows of tools/quality.py's table (pruned, fused, healed against unpruned).
+    unpruned = out / "onnx_unpruned" / "unpruned.onnx"
+    unpruned_decode = out / "onnx_unpruned_decode" / "unpruned.onnx"
+    model, decode = out / "onnx" / "pruned.onnx", out / "onnx_decode" / "pruned.onnx"
+    fused, fused_decode = model.with_name("fused.onnx"), decode.with_name("fused.onnx")
+    healed, healed_decode = model.with_name("healed.onnx"), decode.with_name("healed.onnx")
     analysis = out / "analysis"
 
     save_folder_once(folder)
-    export_once(
-        "Export the Hugging Face folder to ONNX (config.json, tokenizer copied beside)", folder, model
-    )
+    removed = prune_once(folder, pruned, out / "importance.png")
+    export_once("Export the pruned checkpoint to ONNX (config.json, tokenizer copied beside)", pruned, model)
     step("The block table", "fuse_onnx", model, "--show-blocks")
     step(
         "Block dependencies (paper section 3) and a proposed plan",
@@ -139,25 +170,17 @@ def main() -> None:
         "-o",
         fused,
     )
-    step(
-        "Quality on held-out text: original against fused",
-        "evaluate",
-        model,
-        fused,
-        "--max-tokens",
-        1024,
-    )
+    step("Quality on held-out text: pruned against fused", "evaluate", model, fused, "--max-tokens", 1024)
     step(
         "Heal the fused groups (blockwise local distillation, docs/heal.md): quality before and after",
         "heal",
         model,
         fused,
         "-o",
-        model.with_name("model.healed.onnx"),
+        healed,
     )
-    export_once(
-        "Export the KV-cache decode graph (cache for attention layers only)", folder, decode, "--decode"
-    )
+    export_once("Export the KV-cache decode graph (cache for attention layers only)", pruned, decode,
+                "--decode")
     step("Fuse the decode graph with the same plan", "fuse_onnx", decode, plan, "-o", fused_decode)
     step(
         "Give the fused decode graph the healed weights (no second fit; checked: same model, same plan)",
@@ -165,29 +188,37 @@ def main() -> None:
         decode,
         fused_decode,
         "--weights-from",
-        model.with_name("model.healed.onnx"),
+        healed,
         "--eval-tokens",
         0,
         "-o",
         healed_decode,
     )
-    for name, path in (("original", decode), ("fused", fused_decode), ("healed", healed_decode)):
-        step(
-            f"Generate with the {name} pruned model",
-            "generate",
-            path,
-            "--prompt",
-            PROMPT,
-            "--max-new-tokens",
-            24,
-        )
-    serve_and_ask("Serve the healed decode graph (OpenAI API) and ask it one question", healed_decode)
-    print(
-        "\nNote: attention was removed from blocks 13-22 without the distillation the paper applies, so the\n"
-        "pruned model writes poor text before and after fusion; the unpruned SmolLM2 answers 'The capital\n"
-        "of France is Paris.' Fusion's cost is the evaluation table above; healing's gain is heal.py's table."
+    export_once("Export the unpruned model's decode graph, to compare answers", folder, unpruned_decode,
+                "--decode")
+    questions = [arg for q in QUESTIONS for arg in ("--prompt", q)]
+    models = {"unpruned": unpruned_decode, "pruned": decode, "fused": fused_decode, "healed": healed_decode}
+    for name, path in models.items():
+        step(f"Generate with the {name} model", "generate", path, *questions, "--max-new-tokens", 24)
+    serve_and_ask("Serve the healed decode graph (OpenAI API) and ask it the questions", healed_decode)
+    export_once("Export the unpruned model (prefill graph) for the quality table", folder, unpruned)
+    step(
+        "One quality table: lm-eval accuracy through the server, held-out perplexity, KL and top-1 against "
+        "the unpruned model",
+        "quality",
+        unpruned,
+        model,
+        fused,
+        healed,
+        "--items",
+        100,
+        "--max-tokens",
+        2048,
+        "--out",
+        out / "quality",
     )
-    print(f"plan applied: {json.loads(plan.read_text())}; outputs in {out}/")
+    print(f"\nattention removed from layers {removed}; plan applied: {json.loads(plan.read_text())}; "
+          f"outputs in {out}/")
 
 
 if __name__ == "__main__":
