@@ -27,6 +27,7 @@ examples:
                                        a healed model: structure, healed tensors, KL on held-out text
   fuse_onnx.py --verify model.healed.onnx fp8/model.healed_fp8.onnx   FP8 weights = Q(source), logits
   fuse_onnx.py --verify model.healed.onnx tp2/   a rank folder (tp.json): ranks run together = the source
+  fuse_onnx.py --verify model.healed.onnx nas/   export_checkpoint.py's folder: re-imported = the source
   fuse_onnx.py --verify model.onnx model.decode.onnx   cached decoding = prefill = the source
 
 plan.json: {"groups": [[13, 17], [18, 21]], "norm": "last"}   (block numbers = source layers, inclusive;
@@ -55,8 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--verify",
         action="store_true",
-        help="MODEL ARTIFACT: check ARTIFACT (fused, healed, FP8, decode graph or TP rank folder, told "
-        "from its metadata) against its source MODEL; exit 1 when a check fails",
+        help="MODEL ARTIFACT: check ARTIFACT (fused, healed, FP8, decode graph, TP rank folder or "
+        "exported checkpoint, told from its metadata) against its source MODEL; exit 1 when a check fails",
     )
     parser.add_argument(
         "--max-kl", type=float, help="--verify of a healed model: bound on KL(original || healed), nats"

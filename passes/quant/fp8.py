@@ -47,7 +47,10 @@ __all__ = [
     "TARGET_OPSET",
     "QuantReport",
     "QuantizeFP8",
+    "channel_scales",
     "quantize_fp8",
+    "to_fp8",
+    "weight_bands",
 ]
 
 MIN_FP8_OPSET = 19
@@ -71,7 +74,7 @@ class QuantReport:
 _BAND_BYTES = 8 << 20
 
 
-def _bands(tensor: ir.TensorProtocol, transpose: bool, stored: bool = False) -> Iterator[np.ndarray]:
+def weight_bands(tensor: ir.TensorProtocol, transpose: bool, stored: bool = False) -> Iterator[np.ndarray]:
     """The weight in float32 bands of rows: of the [in, out] matrix the MatMul sees, or (`stored`) of the
     tensor as stored."""
     rows, cols = (int(d) for d in tensor.shape)
@@ -87,17 +90,20 @@ def _bands(tensor: ir.TensorProtocol, transpose: bool, stored: bool = False) -> 
         yield band.astype(np.float32, copy=False)
 
 
-def _channel_scales(tensor: ir.TensorProtocol, transpose: bool, dtype: ir.DataType) -> np.ndarray:
+def channel_scales(tensor: ir.TensorProtocol, transpose: bool, dtype: ir.DataType) -> np.ndarray:
     """amax / 448 per output channel (over the input dimension), in the weight's dtype, as float32."""
     if transpose:  # output channels are the stored rows
-        amax = np.concatenate([np.abs(band).max(axis=1) for band in _bands(tensor, True, stored=True)])
+        bands = weight_bands(tensor, True, stored=True)
+        amax = np.concatenate([np.abs(band).max(axis=1) for band in bands])
     else:
-        amax = functools.reduce(np.maximum, (np.abs(band).max(axis=0) for band in _bands(tensor, False)))
+        bands = weight_bands(tensor, False)
+        amax = functools.reduce(np.maximum, (np.abs(band).max(axis=0) for band in bands))
     scale = np.where((amax > 0) & np.isfinite(amax), amax / FP8_MAX, 1.0)
     return scale.astype(dtype.numpy()).astype(np.float32)
 
 
-def _to_fp8(weight: np.ndarray, scale: np.ndarray) -> np.ndarray:
+def to_fp8(weight: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """Q(weight): weight / scale (per output channel) saturated to +-448, rounded to float8e4m3fn."""
     return np.clip(weight / scale, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
 
 
@@ -114,8 +120,8 @@ class _FP8Weight(ir.LazyTensor):
         return f"{type(self).__name__}({self.name!r}, {list(self.shape)}, from {self.source.name!r})"
 
     def bands(self) -> Iterator[np.ndarray]:
-        for band in _bands(self.source, self.transpose):
-            yield np.ascontiguousarray(_to_fp8(band, self.scale))
+        for band in weight_bands(self.source, self.transpose):
+            yield np.ascontiguousarray(to_fp8(band, self.scale))
 
     def tofile(self, file) -> None:
         for band in self.bands():
@@ -163,7 +169,7 @@ class _Rewriter:
         if key in self.weights:
             return self.weights[key]
         base = source.value.name or "weight"
-        scale = _channel_scales(source.tensor, source.transpose, dtype)
+        scale = channel_scales(source.tensor, source.transpose, dtype)
         fp8_name = self.name(f"{base}_fp8")
         q = _initializer(self.graph, fp8_name, _FP8Weight(source.tensor, source.transpose, scale, fp8_name))
         s_name = self.name(f"{base}_fp8_scale")

@@ -4,6 +4,7 @@
 that kind's check and returns a VerifyReport of typed Check records:
 
     a folder with tp.json (passes/shard/files.py)       -> tp.py      ranks run together == the source
+    a checkpoint folder (exporters/nas, config.json's ffn_fusion) -> checkpoint.py  re-import == the source
     float8 initializers (passes/quant/fp8.py)            -> fp8.py     weights == Q(source), scales, logits
     ffn_fusion.heal metadata (runtime/heal/metadata.py)  -> healed.py  structure, tensor hashes, KL / top-1
     ffn_fusion.plan metadata (passes/model_map.py)       -> fused.py   each group exact (passes.validate)
@@ -22,6 +23,7 @@ from passes.io.model_io import load_model
 from passes.model_map import PLAN_METADATA_KEY
 from passes.shard import MANIFEST
 from runtime.heal.metadata import HEAL_METADATA_KEY
+from runtime.verify.checkpoint import is_checkpoint, verify_checkpoint
 from runtime.verify.common import metadata
 from runtime.verify.fp8 import is_fp8, verify_fp8
 from runtime.verify.fused import verify_fused
@@ -32,16 +34,21 @@ from runtime.verify.tp import verify_tp
 
 __all__ = ["KINDS", "Check", "VerifyOptions", "VerifyReport", "artifact_kind", "verify_artifact"]
 
-KINDS = ("tp", "fp8", "healed", "fused", "decode")
+KINDS = ("tp", "checkpoint", "fp8", "healed", "fused", "decode")
 DECODE_METADATA_KEY = "ffn_fusion.decode"  # exporters.decode.METADATA_KEY, without importing torch here
 
 
 def artifact_kind(artifact: Path) -> str:
     """What `artifact` is, from what the stage that wrote it recorded (see the module docstring)."""
     if artifact.is_dir():
-        if not (artifact / MANIFEST).is_file():
-            raise UserError(f"{artifact} is a folder without {MANIFEST}: not a rank folder shard_tp.py wrote")
-        return "tp"
+        if (artifact / MANIFEST).is_file():
+            return "tp"
+        if is_checkpoint(artifact):
+            return "checkpoint"
+        raise UserError(
+            f"{artifact} is a folder without {MANIFEST} and without a config.json recording ffn_fusion: "
+            "not a rank folder shard_tp.py wrote, nor a checkpoint export_checkpoint.py wrote"
+        )
     if not artifact.is_file():
         raise UserError(f"model {artifact} does not exist")
     props = metadata(artifact)
@@ -71,6 +78,8 @@ def verify_artifact(
     report = VerifyReport(kind, original, artifact)
     if kind == "tp":
         verify_tp(report, options)
+    elif kind == "checkpoint":
+        verify_checkpoint(report, options)
     elif kind == "fp8":
         verify_fp8(report, options)
     elif kind == "healed":

@@ -9,11 +9,13 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 
 from passes.graph_inputs import Signature
-from passes.io.model_io import load_proto
+from passes.io.model_io import load_proto, weight_bytes
 from passes.io.sessions import open_session
+from passes.run import block_runner
 from passes.validate import HALF_TYPES, float32_view
 from runtime.verify.records import VerifyReport
 
@@ -34,8 +36,16 @@ def tensor_sha256(tensor: ir.TensorProtocol) -> str:
 
 def logits(path: Path, tokens: np.ndarray) -> np.ndarray:
     """`path`'s first logits output on `tokens` in ONNX Runtime (every other input fed as
-    passes/graph_inputs.py does: mask of ones, positions, an empty KV cache); half models in fp32."""
+    passes/graph_inputs.py does: mask of ones, positions, an empty KV cache); half models in fp32.
+
+    A float32 graph above block_runner.STREAMING_BYTES of weights runs block by block (model_logits: one
+    block's weights in memory at a time, as fusion's validation); half and float8 graphs run whole (the
+    fp32 view of a half graph is built whole, and an FP8 graph has no block walk to stream by)."""
     proto = load_proto(path)
+    whole_only = {*HALF_TYPES, onnx.TensorProto.FLOAT8E4M3FN}
+    streamable = not any(t.data_type in whole_only for t in proto.graph.initializer)
+    if streamable and weight_bytes(ir.serde.deserialize_model(proto)) > block_runner.STREAMING_BYTES:
+        return block_runner.model_logits(path, tokens)  # (the sizes are read from the headers only)
     if any(t.data_type in HALF_TYPES for t in proto.graph.initializer):
         proto = float32_view(proto, path.parent)
     signature = Signature.of(proto)
@@ -58,16 +68,10 @@ def same_initializers(
             continue
         if a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape) or a.tobytes() != b.tobytes():
             differing.append(name)
-    if differing:
-        shown = ", ".join(repr(n) for n in differing[:5]) + (" ..." if len(differing) > 5 else "")
-        report.add(
-            "unchanged weights",
-            False,
-            f"{len(differing)} of {len(names)} {what} differ from the original's: {shown}",
-            compared=len(names),
-            differing=len(differing),
-        )
-    else:
-        report.add(
-            "unchanged weights", True, f"{len(names)} {what} equal the original's", compared=len(names)
-        )
+    report.add_mismatches(
+        "unchanged weights",
+        [repr(n) for n in differing],
+        len(names),
+        f"{what} differ from the original's",
+        f"{len(names)} {what} equal the original's",
+    )

@@ -14,7 +14,7 @@ from passes.model_map import find_blocks
 from passes.patterns.linear import FloatWeight, find_linears
 
 # The pass's own band reader, scale rule and rounding: the check recomputes exactly what it wrote.
-from passes.quant.fp8 import _bands, _channel_scales, _to_fp8
+from passes.quant.fp8 import channel_scales, to_fp8, weight_bands
 from passes.validate import default_tokens
 from runtime.verify.common import logits, same_initializers
 from runtime.verify.options import VerifyOptions
@@ -67,27 +67,28 @@ def verify_fp8(report: VerifyReport, options: VerifyOptions) -> None:
         f"{len(quantized)} float8 weights; activation scales come from calibration (not checked)"
     )
     if unknown:
-        report.add(
+        report.add_mismatches(
             "source weights",
-            False,
-            f"float8 tensor(s) with no source weight in {report.original}: "
-            + ", ".join(repr(n) for n in unknown[:5]),
+            [repr(n) for n in unknown],
+            len(quantized),
+            f"float8 tensors have no source weight in {report.original}",
+            "",
         )
-    report.add(
+    report.add_mismatches(
         "weight scales",
-        not scale_bad,
-        "; ".join(scale_bad[:3])
-        if scale_bad
-        else f"{len(quantized)} scales equal amax / 448 per output channel",
-        differing=len(scale_bad),
+        scale_bad,
+        len(quantized),
+        "scales differ",
+        f"{len(quantized)} scales equal amax / 448 per output channel",
+        sep="; ",
     )
-    report.add(
+    report.add_mismatches(
         "float8 weights",
-        not weight_bad,
-        "; ".join(weight_bad[:3])
-        if weight_bad
-        else f"{len(quantized)} weights equal Q(source, recorded scale)",
-        differing=len(weight_bad),
+        weight_bad,
+        len(quantized),
+        "float8 weights differ",
+        f"{len(quantized)} weights equal Q(source, recorded scale)",
+        sep="; ",
     )
     rewritten = {q.name for q, _ in quantized} | {s.name for _, s in quantized}
     same_initializers(report, source, artifact, rewritten, "unquantized weights")
@@ -106,7 +107,7 @@ def verify_fp8(report: VerifyReport, options: VerifyOptions) -> None:
 
 def _check_scale(weight: FloatWeight, scale: ir.Value) -> str | None:
     recorded = scale.const_value.numpy().astype(np.float32).reshape(-1)
-    expected = _channel_scales(weight.tensor, weight.transpose, weight.dtype)
+    expected = channel_scales(weight.tensor, weight.transpose, weight.dtype)
     if recorded.shape != expected.shape:
         return f"{scale.name!r} has {recorded.size} channels, source {weight.value.name!r} {expected.size}"
     differ = np.flatnonzero(recorded != expected)
@@ -123,8 +124,8 @@ def _check_weight(weight: FloatWeight, q: ir.Value, scale: ir.Value) -> str | No
     stored = q.const_value.numpy().view(np.uint8)
     recorded = scale.const_value.numpy().astype(np.float32).reshape(-1)
     rows, bad, first = 0, 0, None
-    for band in _bands(weight.tensor, weight.transpose):
-        want = np.ascontiguousarray(_to_fp8(band, recorded)).view(np.uint8)
+    for band in weight_bands(weight.tensor, weight.transpose):
+        want = np.ascontiguousarray(to_fp8(band, recorded)).view(np.uint8)
         got = stored[rows : rows + len(band)]
         if got.shape != want.shape:
             return f"{q.name!r} has shape {list(stored.shape)}, Q({weight.value.name!r}) {list(want.shape)}"

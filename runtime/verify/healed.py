@@ -1,15 +1,18 @@
-"""Healed graphs (heal.py): the fused structure of their plan, every healed tensor equal to what the heal
-recorded (sha256 per tensor in ffn_fusion.heal), every other weight equal to the original's, and the
-quality against the original on held-out text (KL, top-1), bounded by `max_kl`."""
+"""Healed graphs (heal.py): the fused structure of their plan (FFN groups' widths, parallel groups'
+members), every healed tensor equal to what the heal recorded (sha256 per tensor in ffn_fusion.heal), every
+other weight equal to the original's, and the quality against the original on held-out text (KL, top-1),
+bounded by `max_kl`."""
 
 from __future__ import annotations
 
 import json
 
+from passes.blocks import Block
 from passes.errors import UserError
 from passes.fuse import ffn_members
 from passes.io.model_io import load_model
 from passes.model_map import find_blocks, vocab_size
+from passes.plan import Plan
 from passes.validate import check_structure, plan_from_metadata
 from runtime.evaluate import evaluate
 from runtime.heal.metadata import HEAL_METADATA_KEY, TENSOR_HASHES_KEY
@@ -35,32 +38,66 @@ def verify_healed(report: VerifyReport, options: VerifyOptions) -> None:
     report.notes.extend(check_structure(artifact))
     original_model, healed_model = load_model(report.original), load_model(artifact)
     original_blocks = find_blocks(original_model)
-    healed_blocks = None if plan.parallel else find_blocks(healed_model)
-    if healed_blocks is not None and not _structure(report, plan, original_blocks, healed_blocks):
+    try:
+        healed_blocks = find_blocks(healed_model)
+    except UserError as exc:
+        report.add("structure", False, f"the block walk cannot read the healed graph: {exc}")
+        return
+    if not _structure(report, plan, original_blocks, healed_blocks):
         return
     _hashes(report, healed_model, hashes)
-    skip = set(hashes) | (group_tensors(fused_group_blocks(plan, healed_blocks)) if healed_blocks else set())
+    skip = set(hashes) | group_tensors(fused_group_blocks(plan, healed_blocks))
     same_initializers(report, original_model, healed_model, skip, "weights outside the healed groups")
     del original_model, healed_model
     _quality(report, options, vocab_size(original_blocks))
 
 
-def _structure(report: VerifyReport, plan, original_blocks, healed_blocks) -> bool:
+def _structure(
+    report: VerifyReport, plan: Plan, original_blocks: list[Block], healed_blocks: list[Block]
+) -> bool:
+    """Block count, each FFN group's fused width, and each parallel group: its members, in place, marked
+    as one group by the block walk (one stream in, one sum out), each with its original FFN width."""
     expected = len(original_blocks) - plan.removed_blocks
     if len(healed_blocks) != expected:
         report.add("structure", False, f"{len(healed_blocks)} blocks, the plan gives {expected}")
         return False
-    for (first, last), block in zip(plan.groups, fused_group_blocks(plan, healed_blocks), strict=True):
+    fused = fused_group_blocks(plan, healed_blocks)
+    for (first, last), block in zip(plan.groups, fused, strict=True):
         want = sum(b.width for b in ffn_members(original_blocks, (first, last)))
         if block.width != want:
             report.add(
                 "structure", False, f"group [{first}, {last}] has width {block.width}, the plan gives {want}"
             )
             return False
-    fused = fused_group_blocks(plan, healed_blocks)
+    parallel = []
+    for first, last in plan.parallel:
+        problem = _parallel_problem(plan, (first, last), original_blocks, healed_blocks)
+        if problem is not None:
+            report.add("structure", False, f"parallel group [{first}, {last}] {problem}")
+            return False
+        parallel.append(f"{[first, last]} ({last - first + 1} blocks in parallel)")
     widths = ", ".join(f"{list(g)} {b.width}" for g, b in zip(plan.groups, fused, strict=True))
-    report.add("structure", True, f"{len(healed_blocks)} blocks; fused widths {widths or 'none'}")
+    message = f"{len(healed_blocks)} blocks; fused widths {widths or 'none'}"
+    if parallel:
+        message += f"; parallel groups {', '.join(parallel)}"
+    report.add("structure", True, message)
     return True
+
+
+def _parallel_problem(
+    plan: Plan, group: tuple[int, int], original_blocks: list[Block], healed_blocks: list[Block]
+) -> str | None:
+    first, last = group
+    start = first - sum(j - i for i, j in plan.groups if j < first)  # FFN groups before it removed blocks
+    members = healed_blocks[start : start + last - first + 1]
+    # Block.parallel is the group the walk read, numbered in the graph's block table: exactly this range
+    if len(members) != last - first + 1 or {b.parallel for b in members} != {(start, start + last - first)}:
+        return "is not one group of blocks reading one stream in the graph"
+    for k, block in enumerate(members):
+        want = original_blocks[first + k].width
+        if block.width != want:
+            return f"member {first + k} has FFN width {block.width}, the original's {want}"
+    return None
 
 
 def _hashes(report: VerifyReport, model, hashes: dict[str, str]) -> None:
@@ -72,22 +109,14 @@ def _hashes(report: VerifyReport, model, hashes: dict[str, str]) -> None:
             bad.append(f"{name!r} (missing)")
         elif tensor_sha256(value.const_value) != digest:
             bad.append(repr(name))
-    if bad:
-        shown = ", ".join(bad[:5]) + (" ..." if len(bad) > 5 else "")
-        report.add(
-            "healed weights",
-            False,
-            f"{len(bad)} of {len(hashes)} differ from what heal.py recorded: {shown}",
-            tensors=len(hashes),
-            differing=len(bad),
-        )
-    else:
-        report.add(
-            "healed weights",
-            True,
-            f"{len(hashes)} tensors equal what heal.py recorded (sha256)",
-            tensors=len(hashes),
-        )
+    report.add_mismatches(
+        "healed weights",
+        bad,
+        len(hashes),
+        "differ from what heal.py recorded",
+        f"{len(hashes)} tensors equal what heal.py recorded (sha256)",
+        tensors=len(hashes),
+    )
 
 
 def _quality(report: VerifyReport, options: VerifyOptions, vocab: int) -> None:

@@ -5,8 +5,8 @@ project's own tests check the artifacts it ships, as `fuse_onnx.py --verify` doe
         verify_artifact("orig.onnx", "healed.onnx", max_kl=0.1)
 
 A failed check fails the test with one line per failed check (no traceback into this package); keywords are
-runtime.verify.VerifyOptions' fields (max_kl, max_error, tp_tolerance, decode_tolerance, window,
-eval_tokens, text, seq). The fixture returns the VerifyReport for further asserts."""
+runtime.verify.VerifyOptions' fields (max_kl, max_error, tp_tolerance, checkpoint_tolerance, decode_tolerance,
+window, eval_tokens, text, seq). The fixture returns the VerifyReport for further asserts."""
 
 from __future__ import annotations
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import xml.etree.ElementTree as ET
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -23,7 +24,7 @@ class Check:
 
 @dataclass
 class VerifyReport:
-    kind: str  # "fused", "healed", "fp8", "tp", "decode"
+    kind: str  # "fused", "healed", "fp8", "tp", "checkpoint", "decode"
     original: Path
     artifact: Path
     checks: list[Check] = field(default_factory=list)
@@ -42,6 +43,26 @@ class VerifyReport:
         check = Check(name, bool(ok), message, {k: float(v) for k, v in numbers.items()})
         self.checks.append(check)
         return check
+
+    def add_mismatches(
+        self,
+        name: str,
+        bad: Sequence[str],
+        total: int,
+        differ: str,
+        passed: str,
+        *,
+        sep: str = ", ",
+        **numbers: float,
+    ) -> Check:
+        """One check over `total` compared items of which `bad` (each one naming where) differ: failed, it
+        says "<n> of <total> <differ>: " and the first 5 of `bad` joined by `sep`; passed, `passed`. Its
+        numbers: compared, differing and `numbers`."""
+        if not bad:
+            return self.add(name, True, passed, compared=total, **numbers)
+        shown = sep.join(bad[:5]) + (" ..." if len(bad) > 5 else "")
+        message = f"{len(bad)} of {total} {differ}: {shown}"
+        return self.add(name, False, message, compared=total, differing=len(bad), **numbers)
 
     def lines(self) -> list[str]:
         head = f"{self.artifact}: {self.kind} artifact of {self.original}"

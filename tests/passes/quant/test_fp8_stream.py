@@ -11,7 +11,7 @@ import pytest
 
 import passes.quant.fp8
 from passes.quant.calibrate import FP8_MAX
-from passes.quant.fp8 import _channel_scales, _FP8Weight
+from passes.quant.fp8 import _FP8Weight, channel_scales
 
 
 def _external(array: np.ndarray, folder) -> ir.ExternalTensor:
@@ -34,7 +34,7 @@ def test_banded_quantization_equals_the_whole_matrix(tmp_path, monkeypatch, tran
     amax = np.abs(matrix).max(axis=0)
     expected_scale = np.where(amax > 0, amax / FP8_MAX, 1.0).astype(dtype).astype(np.float32)
     weight_type = ir.DataType.FLOAT if dtype == np.float32 else ir.DataType.BFLOAT16
-    scale = _channel_scales(tensor, transpose, weight_type)
+    scale = channel_scales(tensor, transpose, weight_type)
     np.testing.assert_array_equal(scale, expected_scale)
     fp8 = _FP8Weight(tensor, transpose, scale, "w_fp8")
     expected = np.clip(matrix / expected_scale, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)

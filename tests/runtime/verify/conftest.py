@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.runtime.verify.artifacts import healed_artifacts, tiny_artifacts
+from tests.runtime.verify.artifacts import checkpoint_artifacts, healed_artifacts, tiny_artifacts
 
 
 @pytest.fixture(scope="session")
@@ -17,3 +17,8 @@ def healed(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory) -> dict[str, Path]:
     return tiny_artifacts(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    return checkpoint_artifacts(tmp_path_factory)

@@ -17,7 +17,7 @@ from passes.plan import Plan
 from runtime.heal.metadata import HEAL_METADATA_KEY, TENSOR_HASHES_KEY
 from runtime.verify import DECODE_METADATA_KEY, VerifyOptions, artifact_kind, verify_artifact
 from runtime.verify.fused import fused_group_blocks, group_tensors
-from tests.runtime.verify.artifacts import tampered, tampered_folder, with_metadata
+from tests.runtime.verify.artifacts import parallel_artifacts, tampered, tampered_folder, with_metadata
 
 OPTIONS = VerifyOptions(max_kl=0.5, eval_tokens=512)
 
@@ -119,6 +119,26 @@ def test_healed_structure_against_another_plan_fails(healed, tmp_path):
     edited = with_metadata(healed["healed"], tmp_path / "t.onnx", PLAN_METADATA_KEY, other_plan)
     bad = verify_artifact(healed["original"], edited, OPTIONS)
     assert [c.name for c in bad.failures] == ["structure"] and "blocks" in bad.failures[0].message
+
+
+def test_healed_parallel_plan_gets_its_structure_checked(tmp_path):
+    found = parallel_artifacts(tmp_path)
+    report = verify_artifact(found["original"], found["healed"], VerifyOptions(eval_tokens=256))
+    assert report.ok, report.lines()
+    structure = checks(report)["structure"].message
+    assert "fused widths [1, 2] 104" in structure
+    assert "parallel groups [3, 4] (2 blocks in parallel)" in structure
+    assert checks(report)["healed weights"].numbers["tensors"] == 6
+
+    def parallel(groups):
+        return lambda plan: {**plan, "parallel_blocks": groups}
+
+    # beside the group; the group's graph numbering (the original's blocks 2-3 are another width)
+    for groups, says in (([[4, 5]], "is not one group"), ([[2, 3]], "member 2 has FFN width 32")):
+        edited = with_metadata(found["healed"], tmp_path / "e.onnx", PLAN_METADATA_KEY, parallel(groups))
+        bad = verify_artifact(found["original"], edited, VerifyOptions(eval_tokens=256))
+        assert [c.name for c in bad.failures] == ["structure"]
+        assert f"parallel group {groups[0]} {says}" in bad.failures[0].message
 
 
 def test_old_healed_file_without_hashes_is_refused_in_one_line(healed, tmp_path):
