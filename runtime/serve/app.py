@@ -105,6 +105,7 @@ def create_app(
     app.state.served, app.state.scheduler, app.state.metrics = served, scheduler, metrics
     app.state.draining = False
     app.state.exit = None  # (code, reason) -> None: set by the server that runs the app
+    app.state.fatal = fatal  # the server's drain reports a problem the scheduler has not acted on yet
     api = _Api(served, scheduler, metrics, app)
     _error_handlers(app, metrics)
     app.add_middleware(BodyLimit, limit=max_request_bytes)

@@ -18,9 +18,13 @@ graph gives logits at every prompt position: for the sequences named in `scored`
 prefill also returns their prompt tokens' logprobs (runtime.serve.logprobs.score_prompt), computed where
 the logits are (in rank 0's process for a TP folder), so only the entries travel.
 
-A decode step that fails for the whole batch is retried row by row (`RowsFailed`): the rows that fail
-alone leave the batch, the others go on with their step done; when every row fails alone the error is the
-backend's, and it is raised as it came.
+Row isolation, in every runner: a decode step that fails is retried one row at a time (`decode_alone`);
+the rows that fail alone leave the runner and the call raises `RowsFailed`, the others go on with their
+step done. When every row fails alone the error is the backend's, and it is raised as it came. A decode
+that raises anything but RowsFailed has changed nothing (the caches and sequences are committed only when
+every row's step is done), so `decode(tokens, isolate=False)` followed by `decode_alone(tokens)` is the
+same step: runtime.serve.tp_ranks runs them as two calls, so that no rank retries alone while another
+still waits in the batched step's all-reduce.
 
 `GroupedRunner` is for graphs whose attention cannot take left padding (ONNX Runtime GenAI's
 GroupQueryAttention reads each row's length from the mask and assumes its tokens start at slot 0): every
@@ -32,9 +36,9 @@ left-padded together when the graph takes an attention_mask, else in groups of e
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -61,6 +65,40 @@ def _prefilled(logits: np.ndarray, prompt: Sequence[int], top: int | None) -> Pr
     return Prefilled(logits[-1], scores)
 
 
+def _why(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+Step = Callable[[list[Hashable]], dict[Hashable, Any]]  # the rows' outcomes, committed by the caller
+
+
+def _isolated(groups: list[list[Hashable]], step: Step, isolate: bool) -> tuple[dict, dict[Hashable, str]]:
+    """`step` on each group; a group that fails is run again one row at a time (isolate) or the error is
+    raised (not isolate). (done, failed); the error of the last failure when no row is done."""
+    done: dict[Hashable, Any] = {}
+    failed: dict[Hashable, str] = {}
+    error: Exception | None = None
+    for keys in groups:
+        try:
+            done.update(step(keys))
+            continue
+        except Exception as exc:  # noqa: BLE001 - retried below, or raised
+            if not isolate:
+                raise
+            error = exc
+            if len(keys) == 1:
+                failed[keys[0]] = _why(exc)
+                continue
+        for key in keys:
+            try:
+                done.update(step([key]))
+            except Exception as exc:  # noqa: BLE001 - this row fails alone
+                failed[key], error = _why(exc), exc
+    if failed and not done:
+        raise error  # type: ignore[misc] - every row fails: the backend's error, not a row's
+    return done, failed
+
+
 class RowsFailed(Exception):
     """A batched call failed because of some rows only: `failed` maps their keys to the error (their rows
     have left the batch), `done` holds the other rows' results."""
@@ -77,7 +115,11 @@ class Runner(Protocol):
         self, prompts: dict[Hashable, Sequence[int]], scored: Scored | None = None
     ) -> dict[Hashable, Prefilled]: ...
 
-    def decode(self, tokens: dict[Hashable, int]) -> dict[Hashable, np.ndarray]: ...  # key -> [vocab]
+    def decode(  # key -> [vocab]; isolate: a failed step is retried row by row (RowsFailed)
+        self, tokens: dict[Hashable, int], isolate: bool = True
+    ) -> dict[Hashable, np.ndarray]: ...
+
+    def decode_alone(self, tokens: dict[Hashable, int]) -> dict[Hashable, np.ndarray]: ...  # row by row
 
     def release(self, key: Hashable) -> None: ...
 
@@ -147,43 +189,48 @@ class CachedRunner:
             self.mask = self.mask[:, start:]
             self.cache = {n: np.ascontiguousarray(a[:, :, start:]) for n, a in self.cache.items()}
 
-    def decode(self, tokens: dict[Hashable, int]) -> dict[Hashable, np.ndarray]:
-        """One step for every running sequence: `tokens` holds each row's newest token."""
+    def _step(self, tokens: dict[Hashable, int]) -> tuple[np.ndarray, np.ndarray]:
         if set(tokens) != set(self.keys):
             raise ValueError("decode needs exactly one new token per running sequence")
         ids = np.asarray([[tokens[k]] for k in self.keys], dtype=np.int64)
-        mask = np.concatenate([self.mask, np.ones((len(self.keys), 1), dtype=np.int64)], axis=1)
+        return ids, np.concatenate([self.mask, np.ones((len(self.keys), 1), dtype=np.int64)], axis=1)
+
+    def decode(self, tokens: dict[Hashable, int], isolate: bool = True) -> dict[Hashable, np.ndarray]:
+        """One step for every running sequence: `tokens` holds each row's newest token."""
+        ids, mask = self._step(tokens)
         try:
             logits, cache = self.model.forward(ids, mask, self.cache)
         except Exception:
-            if len(self.keys) < 2:
+            if not isolate or len(self.keys) < 2:
                 raise
-            self._rows_alone(ids, mask)  # raises RowsFailed, or the error when every row fails
+            return self.decode_alone(tokens)
         self.mask, self.cache = mask, cache
         return {k: logits[row, -1] for row, k in enumerate(self.keys)}
 
-    def _rows_alone(self, ids: np.ndarray, mask: np.ndarray) -> None:
-        """The step again, one row at a time (its own left padding kept: the same arithmetic); the rows
-        that still fail leave the batch."""
-        done, failed, caches, kept = {}, {}, [], []
-        error: Exception | None = None
-        for row, key in enumerate(self.keys):
+    def decode_alone(self, tokens: dict[Hashable, int]) -> dict[Hashable, np.ndarray]:
+        """The step one row at a time (its own left padding kept: the same arithmetic); the rows that fail
+        leave the batch (RowsFailed)."""
+        ids, mask = self._step(tokens)
+        if not self.keys:
+            return {}
+
+        def step(keys: list[Hashable]) -> dict[Hashable, Any]:
+            row = self.keys.index(keys[0])
             part = {n: a[row : row + 1] for n, a in self.cache.items()}
-            try:
-                logits, cache = self.model.forward(ids[row : row + 1], mask[row : row + 1], part)
-            except Exception as exc:  # noqa: BLE001 - this row fails alone
-                failed[key], error = f"{type(exc).__name__}: {exc}", exc
-                continue
-            done[key] = logits[0, -1]
-            caches.append(cache)
-            kept.append(row)
-        if not done:
-            raise error  # type: ignore[misc] - every row fails: the backend's error, not a row's
+            logits, cache = self.model.forward(ids[row : row + 1], mask[row : row + 1], part)
+            return {keys[0]: (logits[0, -1], cache)}
+
+        done, failed = _isolated([[k] for k in self.keys], step, isolate=True)
+        kept = [row for row, k in enumerate(self.keys) if k in done]
+        caches = [done[self.keys[row]][1] for row in kept]
         self.keys = [self.keys[r] for r in kept]
         self.mask = mask[kept]
         self.cache = {n: np.concatenate([c[n] for c in caches], axis=BATCH_AXIS) for n in caches[0]}
         self._trim()
-        raise RowsFailed(done, failed)
+        logits = {k: out[0] for k, out in done.items()}
+        if failed:
+            raise RowsFailed(logits, failed)
+        return logits
 
 
 class GroupedRunner:
@@ -219,20 +266,38 @@ class GroupedRunner:
         self.caches.pop(key, None)
         self.lengths.pop(key, None)
 
-    def decode(self, tokens: dict[Hashable, int]) -> dict[Hashable, np.ndarray]:
+    def decode(self, tokens: dict[Hashable, int], isolate: bool = True) -> dict[Hashable, np.ndarray]:
+        """One batch per distinct length; a batch that fails is retried row by row (isolate)."""
         groups: dict[int, list[Hashable]] = {}
         for key in tokens:
             groups.setdefault(self.lengths[key], []).append(key)
-        out = {}
-        for length, keys in groups.items():
+        return self._commit(*_isolated(list(groups.values()), self._stepper(tokens), isolate))
+
+    def decode_alone(self, tokens: dict[Hashable, int]) -> dict[Hashable, np.ndarray]:
+        return self._commit(*_isolated([[k] for k in tokens], self._stepper(tokens), isolate=True))
+
+    def _stepper(self, tokens: dict[Hashable, int]) -> Step:
+        def step(keys: list[Hashable]) -> dict[Hashable, Any]:
+            length = self.lengths[keys[0]]
             ids = np.asarray([[tokens[k]] for k in keys], dtype=np.int64)
             cache = {n: np.concatenate([self.caches[k][n] for k in keys]) for n in self.caches[keys[0]]}
             logits, cache = self.model.forward(ids, np.ones((len(keys), length + 1), np.int64), cache)
-            for row, key in enumerate(keys):
-                self.caches[key] = {n: a[row : row + 1] for n, a in cache.items()}
-                self.lengths[key] = length + 1
-                out[key] = logits[row, -1]
-        return out
+            rows = enumerate(keys)
+            return {k: (logits[row, -1], {n: a[row : row + 1] for n, a in cache.items()}) for row, k in rows}
+
+        return step
+
+    def _commit(self, done: dict[Hashable, Any], failed: dict[Hashable, str]) -> dict[Hashable, np.ndarray]:
+        """Every row's step at once (a step that raises changed nothing); the failed rows leave."""
+        for key, (_, cache) in done.items():
+            self.caches[key] = cache
+            self.lengths[key] += 1
+        for key in failed:
+            self.release(key)
+        logits = {k: out[0] for k, out in done.items()}
+        if failed:
+            raise RowsFailed(logits, failed)
+        return logits
 
 
 class RecomputeRunner:
@@ -257,19 +322,47 @@ class RecomputeRunner:
     def release(self, key: Hashable) -> None:
         self.sequences.pop(key, None)
 
-    def decode(self, tokens: dict[Hashable, int]) -> dict[Hashable, np.ndarray]:
-        for key, token in tokens.items():
-            self.sequences[key].append(int(token))
-        return {k: rows[-1] for k, rows in self._run(list(tokens)).items()}
+    def decode(self, tokens: dict[Hashable, int], isolate: bool = True) -> dict[Hashable, np.ndarray]:
+        """Every sequence again with its new token; a batch that fails is retried row by row (isolate)."""
+        grown = {k: [*self.sequences[k], int(t)] for k, t in tokens.items()}
+        return self._commit(grown, *_isolated(self._groups(grown), self._stepper(grown), isolate))
+
+    def decode_alone(self, tokens: dict[Hashable, int]) -> dict[Hashable, np.ndarray]:
+        grown = {k: [*self.sequences[k], int(t)] for k, t in tokens.items()}
+        return self._commit(grown, *_isolated([[k] for k in grown], self._stepper(grown), isolate=True))
+
+    def _commit(
+        self, grown: dict[Hashable, list[int]], done: dict[Hashable, np.ndarray], failed: dict[Hashable, str]
+    ) -> dict[Hashable, np.ndarray]:
+        for key in done:
+            self.sequences[key] = grown[key]
+        for key in failed:
+            self.release(key)
+        logits = {k: rows[-1] for k, rows in done.items()}
+        if failed:
+            raise RowsFailed(logits, failed)
+        return logits
+
+    def _groups(self, sequences: Mapping[Hashable, list[int]]) -> list[list[Hashable]]:
+        """Without a mask input only sequences of one length can share a batch."""
+        groups: dict[int, list[Hashable]] = {}
+        for key, tokens in sequences.items():
+            groups.setdefault(0 if self.model.has_mask else len(tokens), []).append(key)
+        return list(groups.values())
+
+    def _stepper(self, sequences: Mapping[Hashable, list[int]]) -> Step:
+        """Each sequence's logits [positions, vocab] (its row of a left-padded batch, padding included)."""
+
+        def step(keys: list[Hashable]) -> dict[Hashable, Any]:
+            ids, mask = left_pad([sequences[k] for k in keys])
+            logits, _ = self.model.forward(ids, mask, None)
+            return {k: logits[row] for row, k in enumerate(keys)}
+
+        return step
 
     def _run(self, keys: list[Hashable]) -> dict[Hashable, np.ndarray]:
-        """Each sequence's logits [positions, vocab] (its row of a left-padded batch, padding included)."""
-        groups: dict[int, list[Hashable]] = {}
-        for key in keys:  # without a mask input only sequences of one length can share a batch
-            groups.setdefault(0 if self.model.has_mask else len(self.sequences[key]), []).append(key)
-        out = {}
-        for group in groups.values():
-            ids, mask = left_pad([self.sequences[k] for k in group])
-            logits, _ = self.model.forward(ids, mask, None)
-            out.update({k: logits[row] for row, k in enumerate(group)})
+        sequences = {k: self.sequences[k] for k in keys}
+        step, out = self._stepper(sequences), {}
+        for group in self._groups(sequences):
+            out.update(step(group))
         return out

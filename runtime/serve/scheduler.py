@@ -16,11 +16,11 @@ The waiting queue is bounded: `submit` raises QueueFull when the requests would 
 
 No request can hurt another: a fault while sampling, scoring or emitting one request's token ends that
 request with an error event (status 400 when the request asked for the impossible, 500 otherwise) and the
-batch runs on. A model call that fails is retried row by row where the runner can (prefills one prompt at
-a time; a CachedRunner decode step row by row, runtime.serve.batch.RowsFailed), so a row that breaks the
-backend fails alone. A fault the loop cannot contain (the runner reports a `problem`, such as a TP rank
-that died or hung, or an error outside any one request) is fatal: every running and waiting request gets
-an error at once, `problem` says why, and `on_fatal` is called (the app then exits or answers 503).
+batch runs on. A model call that fails is retried row by row (prefills one prompt at a time here; a decode
+step row by row in the runner, every runner and TP folder: runtime.serve.batch.RowsFailed), so a row that
+breaks the backend fails alone. A fault the loop cannot contain (the runner reports a `problem`, such as a
+TP rank that died or hung, or an error outside any one request) is fatal: every running and waiting request
+gets an error at once, `problem` says why, and `on_fatal` is called (the app then exits or answers 503).
 
 `abort(reason)` ends every request with an error (graceful shutdown after its drain timeout).
 """

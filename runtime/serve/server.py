@@ -5,7 +5,8 @@ Shutdown as vLLM and Kubernetes expect it: the first SIGTERM (or SIGINT) stops a
 running ends with an error (a stream: an error event and [DONE]; otherwise error JSON), uvicorn closes the
 connections and the process exits 0. A second signal ends the drain at once. A fatal fault (the
 scheduler's, e.g. a TP rank that died or hung) with on_fatal "exit" makes `serve` exit 1 after one
-`error:` line, so that a supervisor restarts the server.
+`error:` line, so that a supervisor restarts the server, also when the fault is found only as a drain
+ends (TP ranks that died just before a SIGTERM: exit 1, not 0); with on_fatal "serve" a drain exits 0.
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ class Server(uvicorn.Server):
             while not scheduler.idle and time.monotonic() < deadline:
                 time.sleep(0.05)
         time.sleep(0.2)  # the last events reach their streams before uvicorn closes the connections
+        if problem := scheduler.problem:  # e.g. TP ranks that died before the scheduler's next look
+            self.fastapi.state.fatal(problem)
         self.should_exit = True
 
     def fatal_exit(self, code: int, reason: str) -> None:

@@ -13,7 +13,16 @@ aligned; rank 0 sends back the logits, the others only "ok". No cache crosses a 
 Failures: a rank that exits, dies, stops beating, or does not answer within `timeout_s` breaks the group:
 every rank process is stopped, the call raises `RanksDown` and `problem` says why; the scheduler treats a
 problem as fatal (every request fails; the server exits or answers 503, runtime/serve/app.py). A Python
-error that every rank raises alike (a bad call) fails only that call. `close()` stops the processes (the
+error that every rank raises alike (a bad call) fails only that call.
+
+A decode step that fails on every rank alike (a row whose input breaks the graph: each rank raises at the
+same point, so no rank is left waiting in an all-reduce) is retried row by row as a second call
+(`decode_alone`, runtime.serve.batch): the ranks run the same rows in the same order, so their collectives
+pair up, and the rows that fail alone leave every rank's runner (RowsFailed). The batched step runs without
+isolation on the ranks (`isolate=False`): a rank must not retry alone while another still waits in the
+step's all-reduce (its fault was its own, e.g. out of memory): such a fault is not unanimous, the waiting
+rank does not answer within ERROR_GRACE_S, and the group breaks as for a hung rank. Ranks that disagree on
+which rows failed alone no longer hold the same rows: the group breaks too. `close()` stops the processes (the
 app calls it on shutdown); a rank whose server went away exits when its pipe closes.
 
 Heartbeat: a thread in every rank process writes the time into a shared array every HEARTBEAT_S, whatever
@@ -43,7 +52,7 @@ from passes.shard import rank_onnx_files
 from runtime.backends import TpRankBackend
 from runtime.generate import DecodeModel
 from runtime.ports import free_port
-from runtime.serve.batch import Prefilled, Scored, runner_for
+from runtime.serve.batch import Prefilled, RowsFailed, Scored, runner_for
 from runtime.tp.gloo import init_gloo
 
 HEARTBEAT_S = 0.25
@@ -56,6 +65,14 @@ PRELOAD = ["torch.distributed", "runtime.backends", "runtime.bench.decode", "run
 
 class RanksDown(RuntimeError):
     """The rank processes are gone (one exited or hung); the folder is no longer being served."""
+
+
+class RankErrors(RuntimeError):
+    """A call failed on some ranks (`unanimous`: on all of them) with a Python error; the group lives on."""
+
+    def __init__(self, message: str, unanimous: bool) -> None:
+        super().__init__(message)
+        self.unanimous = unanimous
 
 
 @dataclass(frozen=True)
@@ -110,6 +127,9 @@ def _serve_calls(runner: Any, rank: int, conn: Connection) -> None:
             return
         try:
             result = getattr(runner, op)(*args)
+        except RowsFailed as rows:  # those rows left this rank's runner; the server checks every rank agrees
+            conn.send(("rows", (rows.done if rank == 0 else None, rows.failed)))
+            continue
         except Exception as exc:  # noqa: BLE001 - this call fails, the rank keeps serving
             conn.send(("error", _describe(exc)))
             continue
@@ -212,8 +232,18 @@ class TpRanks:
         self.keys.update(prompts)
         return prefilled
 
-    def decode(self, tokens: dict[Hashable, int]) -> dict[Hashable, np.ndarray]:
-        return self._call("decode", {k: int(t) for k, t in tokens.items()})
+    def decode(self, tokens: dict[Hashable, int], isolate: bool = True) -> dict[Hashable, np.ndarray]:
+        """The batched step; when every rank fails it alike, row by row (module docstring)."""
+        tokens = {k: int(t) for k, t in tokens.items()}
+        try:
+            return self._call("decode", tokens, False)
+        except RankErrors as exc:
+            if not (isolate and exc.unanimous and len(tokens) > 1):
+                raise
+        return self.decode_alone(tokens)
+
+    def decode_alone(self, tokens: dict[Hashable, int]) -> dict[Hashable, np.ndarray]:
+        return self._call("decode_alone", {k: int(t) for k, t in tokens.items()})
 
     def release(self, key: Hashable) -> None:
         """Never raises (the scheduler releases while it finishes requests): a broken group is recorded in
@@ -224,8 +254,10 @@ class TpRanks:
         self.keys.discard(key)
 
     def close(self) -> None:
-        """Stop every rank process (idempotent)."""
-        with self._lock:
+        """Stop every rank process (idempotent). A call that is stuck (its rank hung) does not hold the
+        shutdown up beyond STOP_WAIT_S: the processes are killed under it."""
+        locked = self._lock.acquire(timeout=STOP_WAIT_S)
+        try:
             for conn in self.conns:
                 with contextlib.suppress(OSError):
                     conn.send(("close", ()))
@@ -235,6 +267,9 @@ class TpRanks:
             self._stop_all()
             if self.failure is None:
                 self.failure = "the rank processes were stopped"
+        finally:
+            if locked:
+                self._lock.release()
 
     # ---------------------------------------------------------------------------------- plumbing
 
@@ -267,9 +302,18 @@ class TpRanks:
                 raise RanksDown(self.failure) from None
             finally:
                 self.in_call = False
+        kinds = {kind for kind, _ in replies}
+        if "rows" in kinds:
+            failed = [set(value[1]) if kind == "rows" else set() for kind, value in replies]
+            if kinds != {"rows"} or any(f != failed[0] for f in failed):
+                self._break(f"the ranks failed different rows of one {op} (rows per rank: {failed})")
+                raise RanksDown(self.failure)
+            done, reasons = replies[0][1]
+            self.keys.difference_update(reasons)
+            raise RowsFailed(done, reasons)
         errors = [f"rank {r}: {value}" for r, (kind, value) in enumerate(replies) if kind == "error"]
         if errors:
-            raise RuntimeError(errors[0])
+            raise RankErrors(errors[0], unanimous=len(errors) == self.world)
         return replies[0][1]
 
     def _replies(self, timeout_s: float) -> list[tuple[str, Any]]:

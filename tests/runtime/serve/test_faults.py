@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 
 from runtime.generate import DecodeModel
+from runtime.serve import loading
+from runtime.serve.batch import CachedRunner, GroupedRunner, RecomputeRunner, RowsFailed
 from runtime.serve.sampling import Sampler
 from runtime.serve.scheduler import GenerationRequest
 from runtime.serve.server import ServerThread
@@ -143,6 +145,100 @@ def test_nan_logits_and_a_backend_failing_on_one_row_fail_only_that_request(tiny
         assert httpx.get(url + "/health").json() == {"status": "ok"}
         assert post(url, {"prompt": PROMPTS[2], "max_tokens": 3}).status_code == 200
         assert not running.app.state.scheduler.running and not running.app.state.scheduler.live
+
+
+def _decode_with_a_poisoned_row(runner, vocab: int) -> dict[int, list[int]]:
+    """Three greedy rows (0 and 1 of one length: one group of a GroupedRunner); at step 2 row 1's token lies
+    outside the vocabulary, so ONNX Runtime's embedding Gather raises for that row only. Row 1 leaves with
+    that error (RowsFailed); a step where every row fails raises the backend's error and changes nothing;
+    the other rows decode on as they do alone. The tokens each row got."""
+    prompts = {0: PROMPTS[1], 1: PROMPTS[7], 2: PROMPTS[2]}
+    got = {k: [int(out.logits.argmax())] for k, out in runner.prefill_many(prompts).items()}
+    for step in range(8):
+        tokens = {k: got[k][-1] for k in got if k in prompts}
+        if step == 2:
+            with pytest.raises(Exception, match="out of data bounds") as every:
+                runner.decode({k: vocab + 3 for k in tokens})
+            assert not isinstance(every.value, RowsFailed)
+            with pytest.raises(RowsFailed) as rows:
+                runner.decode({**tokens, 1: vocab + 3})
+            assert set(rows.value.failed) == {1} and "out of data bounds" in rows.value.failed[1]
+            assert len(runner) == 2
+            out = rows.value.done
+            del prompts[1]
+        else:
+            out = runner.decode(tokens)
+        assert set(out) == set(prompts)
+        for key, logits in out.items():
+            got[key].append(int(logits.argmax()))
+    return got
+
+
+@pytest.mark.parametrize("kind", ["cached", "grouped", "recompute"])
+def test_every_runner_fails_only_the_row_that_breaks_a_decode_step(tmp_path_factory, kind):
+    """Row isolation in a decode step for each runner of runtime/serve/batch.py, on a real ONNX Runtime
+    backend; also the two calls TP ranks make (isolate=False, then decode_alone)."""
+    base = tmp_path_factory.getbasetemp()
+    model = DecodeModel.open(fx.decode_models(base, "prefill" if kind == "recompute" else "decode"))
+    runner = {"cached": CachedRunner, "grouped": GroupedRunner, "recompute": RecomputeRunner}[kind](model)
+    got = _decode_with_a_poisoned_row(runner, model.backend.vocab)
+    expected = fx.torch_greedy(PROMPTS[1], 9)
+    assert got[0] == expected and got[2] == fx.torch_greedy(PROMPTS[2], 9)
+    assert got[1] == fx.torch_greedy(PROMPTS[7], 3)
+    runner.release(0)
+    runner.release(2)
+    # as TP ranks call it: the batched step without isolation raises and changes nothing; then row by row
+    prompts = {5: PROMPTS[1], 6: PROMPTS[7]}
+    first = {k: int(out.logits.argmax()) for k, out in runner.prefill_many(prompts).items()}
+    with pytest.raises(Exception, match="out of data bounds"):
+        runner.decode({**first, 6: model.backend.vocab}, isolate=False)
+    with pytest.raises(RowsFailed) as rows:
+        runner.decode_alone({**first, 6: model.backend.vocab})
+    assert set(rows.value.failed) == {6}
+    assert int(rows.value.done[5].argmax()) == expected[1] and len(runner) == 1
+
+
+@pytest.mark.slow
+def test_tp_ranks_fail_only_the_row_that_breaks_a_decode_step(tp2_folder):
+    """The same through the rank processes of a TP 2 folder: every rank raises for the poisoned row before
+    any all-reduce, the server retries the step row by row on every rank (decode_alone), and the ranks
+    agree on the row that left; the group stays up and the other rows decode as on one device."""
+    served = loading.load(tp2_folder, backend="tp", name="tiny_decode")
+    try:
+        got = _decode_with_a_poisoned_row(served.ranks, served.vocab)
+        assert served.ranks.problem is None and not served.ranks.keys - {0, 2}
+    finally:
+        served.close()
+    assert got[0] == fx.torch_greedy(PROMPTS[1], 9) and got[2] == fx.torch_greedy(PROMPTS[2], 9)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["grouped", "recompute"])
+def test_a_row_failing_a_decode_step_ends_alone_over_http(tmp_path_factory, tiny, kind):
+    """Through the server with a GroupedRunner (GenAI graphs) or a RecomputeRunner (no KV cache): the request
+    whose generated token makes the backend raise gets a 500 naming the fault; the requests decoding beside
+    it get what they get alone, and the server serves on."""
+    healthy = [PROMPTS[1], PROMPTS[2]]
+    seen = {t for p in healthy for t in [*p, *fx.torch_greedy(p, 8)]}
+    victim = PROMPTS[7]  # the length of PROMPTS[1]: one group of a GroupedRunner
+    poison = next(t for t in fx.torch_greedy(victim, 8)[1:] if t not in seen and t not in victim)
+    if kind == "grouped":
+        served = dataclasses.replace(tiny, left_padding=False)
+    else:
+        served = loading.load(sf.tiny_folder(tmp_path_factory.getbasetemp(), "prefill"), name="tiny_decode")
+    served = dataclasses.replace(served, model=DecodeModel(FaultyBackend(served.model, raise_on=poison)))
+    with ServerThread(served, max_batch=8) as running, cf.ThreadPoolExecutor(3) as pool:
+        body = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        good = [pool.submit(post, running.url, {"prompt": p, **body}) for p in healthy]
+        failed = post(running.url, {"prompt": victim, **body})
+        assert failed.status_code == 500 and f"on token {poison}" in error_of(failed)["message"]
+        for future, prompt in zip(good, healthy, strict=True):
+            reply = future.result(timeout=60)
+            assert reply.json()["choices"][0]["text"] == sf.words(fx.torch_greedy(prompt, 8))
+        assert type(running.app.state.scheduler.runner).__name__ == f"{kind.title()}Runner"
+        later = post(running.url, {"prompt": healthy[0], **body})  # greedy: it never meets the poison
+        assert later.json()["choices"][0]["text"] == sf.words(fx.torch_greedy(healthy[0], 8))
+        assert httpx.get(running.url + "/health").json() == {"status": "ok"}
 
 
 class _BreaksOnRelease:
@@ -309,3 +405,36 @@ def _rank_pid(processes, rank: int) -> int:
     """The pid of rank `rank`'s process: the ranks are started in order (the k-th by creation time)."""
     ranked = sorted(processes, key=lambda p: p.create_time())
     return ranked[rank].pid
+
+
+@pytest.mark.slow
+def test_a_tp_server_whose_ranks_are_gone_exits_on_sigterm(tp2_folder):
+    """Both rank processes killed, then SIGTERM at once (before or after the scheduler's next look at the
+    ranks): the server exits within seconds with 1 and an `error:` line naming the rank (--on-fatal exit,
+    the default: a supervisor must know the model was lost, the drain does not turn it into 0), and no
+    process is left behind."""
+    import psutil
+
+    process, url, _ = wait_healthy(
+        *launch_cli(str(tp2_folder), "--model-name", "tiny_decode", "--log-level", "warning")
+    )
+    server = psutil.Process(process.pid)
+    (forkserver,) = [c for c in server.children() if "forkserver" in " ".join(c.cmdline())]
+    ranks = forkserver.children()
+    try:
+        assert len(ranks) == 2
+        for rank in ranks:
+            rank.kill()
+        psutil.wait_procs(ranks, timeout=10)
+        start = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(timeout=20)
+        assert time.monotonic() - start < 8
+        stderr = process.stderr.read()
+        assert code == 1 and "error: the model is not being served: rank" in stderr, stderr
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    _, alive = psutil.wait_procs([forkserver], timeout=10)
+    assert not alive
