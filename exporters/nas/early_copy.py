@@ -1,13 +1,14 @@
 """Start copying the weights before the graph libraries load: a guess of the checkpoint's tensors, made
-from light inputs only, written in a second thread while the main thread imports onnx_ir (~2 s, sympy
-included) and recognizes the graph.
+from light inputs only, written in a second thread while the main thread imports onnx_ir and numpy, loads
+the graph and recognizes it (~1 s of CPU at 92 layers).
 
-The guess (no onnx_ir, no recognizer): config.json of the source gives the output layers and their tensors;
-the ONNX protobuf (`onnx`, without its weights) gives each initializer's place in the data file; the names
-are the ones the --hf exporter and passes/fuse.py write (`model.layers.N.*` by checkpoint name, a fused
-group's `ffn_fusion.{i}_{j}.{gate,up,down}_proj.weight`, its "last" norm the group's last FFN norm, a
-"fold" norm ones). Only kernel copies are guessed (weights in the output dtype, stored [out, in]); anything
-else and there is no guess. exporters.nas.export then builds the real list through the recognizer
+The guess (no onnx_ir, no recognizer, not even `onnx`): config.json of the source gives the output layers
+and their tensors; the ONNX protobuf, read by exporters.nas.onnx_proto (standard library only, a few ms),
+gives each initializer's place in the data file; the names are the ones the --hf exporter and
+passes/fuse.py write (`model.layers.N.*` by checkpoint name, a fused group's
+`ffn_fusion.{i}_{j}.{gate,up,down}_proj.weight`, its "last" norm the group's last FFN norm, a "fold" norm
+ones). Only kernel copies are guessed (weights in the output dtype, stored [out, in]); anything else and
+there is no guess. exporters.nas.export then builds the real list through the recognizer
 (exporters.nas.layout) and keeps what the thread wrote only when every tensor's name, dtype, shape and
 byte range agrees with the guess; otherwise it stops the thread and writes the checkpoint again. So the
 guess decides only how early the copy starts, never what is written.
@@ -22,13 +23,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import onnx
-
 from exporters.hf.config import HfConfig, expected_tensors
+from exporters.nas.onnx_proto import EXTERNAL, Initializer, read_model
 from exporters.nas.safetensors_out import OutTensor, copied, filled_with_ones, in_memory, write_checkpoint
 
-_ONNX_DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
-                onnx.TensorProto.BFLOAT16: "bfloat16"}
 _ATTENTION = ("input_layernorm.", "self_attn.")
 HF_METADATA_KEY = "ffn_fusion.hf"  # passes.model_map's keys (that module loads onnx_ir)
 PLAN_METADATA_KEY = "ffn_fusion.plan"
@@ -82,10 +80,10 @@ def start(
 def guess(onnx_path: Path, source: HfConfig, dtype: str) -> list[OutTensor] | None:
     """The checkpoint's tensors as the names say they are, or None (not all are kernel copies)."""
     try:
-        proto = onnx.load(str(onnx_path), load_external_data=False)
+        header = read_model(onnx_path)
     except Exception:  # noqa: BLE001 - the real path reports the problem in its own words
         return None
-    meta = {p.key: p.value for p in proto.metadata_props}
+    meta = header.metadata
     try:
         json.loads(meta[HF_METADATA_KEY])
         plan = json.loads(meta.get(PLAN_METADATA_KEY, "{}"))
@@ -93,7 +91,7 @@ def guess(onnx_path: Path, source: HfConfig, dtype: str) -> list[OutTensor] | No
         return None
     if plan.get("parallel_blocks") or source.architecture not in ("LlamaForCausalLM", "DeciLMForCausalLM"):
         return None
-    table = {t.name: t for t in proto.graph.initializer}
+    table = header.initializers
     names = expected_tensors(source)
     groups = {first: last for first, last in plan.get("groups", [])}
     # (output name, the initializer holding it or None for ones, shape)
@@ -136,24 +134,24 @@ def guess(onnx_path: Path, source: HfConfig, dtype: str) -> list[OutTensor] | No
     return tensors
 
 
-def _inline(tensor: onnx.TensorProto | None, shape: tuple[int, ...], dtype: str) -> bool:
+def _inline(tensor: Initializer | None, shape: tuple[int, ...], dtype: str) -> bool:
     """A small initializer stored in the ONNX file itself as raw bytes, in `shape` and `dtype`."""
     return (
         tensor is not None
-        and tensor.data_location != onnx.TensorProto.EXTERNAL
+        and tensor.data_location != EXTERNAL
         and bool(tensor.raw_data)
         and tuple(tensor.dims) == shape
-        and _ONNX_DTYPES.get(tensor.data_type) == dtype
+        and tensor.dtype == dtype
     )
 
 
-def _place(tensor: onnx.TensorProto | None, shape: tuple[int, ...], dtype: str, folder: Path):
+def _place(tensor: Initializer | None, shape: tuple[int, ...], dtype: str, folder: Path):
     """(file, offset, length) of an external initializer stored as `shape` in `dtype`, else None."""
-    if tensor is None or tensor.data_location != onnx.TensorProto.EXTERNAL:
+    if tensor is None or tensor.data_location != EXTERNAL:
         return None
-    if tuple(tensor.dims) != shape or _ONNX_DTYPES.get(tensor.data_type) != dtype:
+    if tuple(tensor.dims) != shape or tensor.dtype != dtype:
         return None
-    info = {e.key: e.value for e in tensor.external_data}
+    info = tensor.external
     if "location" not in info or "length" not in info:
         return None
     return str(folder / info["location"]), int(info.get("offset", 0)), int(info["length"])

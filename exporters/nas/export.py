@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from exporters.hf.checkpoint import SIDE_FILES
 from exporters.hf.config import DTYPES, read_config
 from exporters.nas import early_copy
 from exporters.nas.safetensors_out import (
@@ -95,7 +94,7 @@ def export_checkpoint(
     try:
         if fp8 is None:
             early = early_copy.start(onnx_path, source_config, dtype, staging, max_shard_bytes)
-        # Loaded here, while the early copy runs: onnx_ir (sympy), the recognizer, numpy's converters.
+        # Loaded here, while the early copy runs: onnx_ir, the recognizer, numpy's converters.
         from exporters.nas.layout import plan_layout
         from passes.io.model_io import load_model
 
@@ -153,6 +152,8 @@ def export_checkpoint(
 def _write_side_files(staging: Path, layout: NasLayout, source: Path, quant: dict | None) -> list[str]:
     """config.json (+ the quantization config), hf_quant_config.json, the tokenizer and generation files,
     and a DeciLM source's remote code."""
+    from exporters.hf.checkpoint import SIDE_FILES  # its imports (numpy) would delay the early copy
+
     config = dict(layout.config)
     if quant is not None:
         config["quantization_config"] = quant["config_json"]

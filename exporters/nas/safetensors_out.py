@@ -154,29 +154,103 @@ def write_checkpoint(
     names = shard_names(len(shards))
     weight_map: dict[str, str] = {}
     files = []
-    for name, shard in zip(names, shards, strict=True):
-        path = folder / name
-        header, offsets = header_bytes(shard)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            write_at(fd, header, 0)
-            for tensor, offset in zip(shard, offsets, strict=True):
-                if stop is not None and stop.is_set():
-                    return files
-                if (written := tensor.write(fd, offset)) != tensor.nbytes:
-                    raise RuntimeError(f"internal error: {tensor.name}: {written} of {tensor.nbytes} bytes")
-                weight_map[tensor.name] = name
-            os.ftruncate(fd, offsets[-1] + shard[-1].nbytes if shard else len(header))
-        finally:
-            os.close(fd)
-        files.append(path)
-        log(f"  {name}: {len(shard)} tensors, {path.stat().st_size / 2**20:.1f} MiB")
+    sources = _Sources()
+    try:
+        for name, shard in zip(names, shards, strict=True):
+            path = folder / name
+            header, offsets = header_bytes(shard)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                write_at(fd, header, 0)
+                for run in _runs(shard, offsets):
+                    if not _write_run(run, fd, sources, stop):
+                        return files
+                    weight_map.update(dict.fromkeys((t.name for t in run.tensors), name))
+                os.ftruncate(fd, offsets[-1] + shard[-1].nbytes if shard else len(header))
+            finally:
+                os.close(fd)
+            files.append(path)
+            log(f"  {name}: {len(shard)} tensors, {path.stat().st_size / 2**20:.1f} MiB")
+    finally:
+        sources.close()
     if len(shards) > 1:
         total = sum(t.nbytes for t in tensors)
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         files.append(folder / INDEX_FILE)
     return files
+
+
+# Bytes of one copy_file_range call at most: a stop request waits for one call, and a thread copying while
+# the main thread runs Python takes the GIL back once per call (up to sys.getswitchinterval(), 5 ms, each).
+RUN_CALL_BYTES = 256 << 20
+
+
+@dataclass
+class _Run:
+    """Tensors back to back in a shard: one kernel copy when all are copies of one contiguous file range
+    (`source` = (path, start)), else a single tensor written by its own writer."""
+
+    tensors: list[OutTensor]
+    at: int  # offset in the shard
+    source: tuple[str, int] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+def _runs(shard: list[OutTensor], offsets: list[int]) -> list[_Run]:
+    """The shard's tensors grouped into runs: a tensor copied from the bytes right after the previous
+    tensor's source joins its run. The fused graph's data file holds most tensors in checkpoint order, so a
+    5 GB shard is a handful of copies instead of one open, copy and close per tensor."""
+    runs: list[_Run] = []
+    for tensor, at in zip(shard, offsets, strict=True):
+        origin = tensor.origin
+        copy = origin is not None and origin[0] == "copy" and origin[3] == tensor.nbytes
+        last = runs[-1] if runs else None
+        if copy and last is not None and last.source is not None and last.source[0] == origin[1] and (
+            last.source[1] + last.nbytes == origin[2]
+        ):
+            last.tensors.append(tensor)
+        else:
+            runs.append(_Run([tensor], at, (origin[1], origin[2]) if copy else None))
+    return runs
+
+
+class _Sources:
+    """Source files opened once for all the copies of a write."""
+
+    def __init__(self) -> None:
+        self.fds: dict[str, int] = {}
+
+    def open(self, path: str) -> int:
+        if path not in self.fds:
+            self.fds[path] = os.open(path, os.O_RDONLY)
+        return self.fds[path]
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+
+def _write_run(run: _Run, fd: int, sources: _Sources, stop: threading.Event | None) -> bool:
+    """Write one run at its offset; False when `stop` was set first (nothing more is written)."""
+    if run.source is None:
+        tensor = run.tensors[0]
+        if stop is not None and stop.is_set():
+            return False
+        if (written := tensor.write(fd, run.at)) != tensor.nbytes:
+            raise RuntimeError(f"internal error: {tensor.name}: {written} of {tensor.nbytes} bytes")
+        return True
+    path, start = run.source
+    source, total = sources.open(path), run.nbytes
+    for done in range(0, total, RUN_CALL_BYTES):
+        if stop is not None and stop.is_set():
+            return False
+        copy_range(source, start + done, fd, run.at + done, min(RUN_CALL_BYTES, total - done), name=path)
+    return True
 
 
 INLINE_BYTES = 1 << 20  # an initializer inside the ONNX file (a norm weight) is written from memory whole

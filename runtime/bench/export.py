@@ -9,7 +9,8 @@ block_configs) is written, then, each in a fresh child process whose own peak RS
   - optionally --dtype float16 (tensors converted in row chunks).
 The page cache is in the same state for every step: one untimed copy first reads the checkpoint in, and
 before each step `sync` writes back what the step before left dirty. The copy and the exports then
-alternate for `rounds` rounds, and each export is compared with the copy of its own round.
+alternate for `rounds` rounds (runtime.bench.peak_memory.alternate_with_copy), and each export is compared
+with the copy of its own round.
 Bounds (issue 10): peak RSS <= 1 GB + the largest single tensor; time within 2x of the copy. The export's
 own split (graph building vs weight streaming, which overlap) and its CPU time (all threads) are reported.
 """
@@ -17,25 +18,24 @@ own split (graph building vs weight streaming, which overlap) and its CPU time (
 from __future__ import annotations
 
 import json
-import os
 import re
-import resource
 import shutil
 import statistics
 import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 from exporters.hf.safetensors_in import open_checkpoint
-from runtime.bench.peak_memory import Measured, measure, timed_copy
+from runtime.bench.peak_memory import alternate_with_copy, measure
 
 ROOT = Path(__file__).resolve().parents[2]
 MB, GB = 1 << 20, 1 << 30
 MULTS = [5.25, 1.0, 2.625, 1.3125, 0.5, 3.28125]
 
-_BUILD = """
+_WRITE = """
 import sys
 from runtime.bench.export import write_checkpoint
 write_checkpoint(sys.argv[1], *map(int, sys.argv[2:]))
@@ -116,6 +116,13 @@ def write_checkpoint(
     write_nemotron(folder, config, shards=shards)
 
 
+def build_checkpoint(folder: Path, hidden: int, heads: int, layers: int, vocab: int, shards: int) -> None:
+    """write_checkpoint in a child process, so that torch stays out of the benchmark's own process (both
+    streaming benchmarks start from this checkpoint)."""
+    args = map(str, (folder, hidden, heads, layers, vocab, shards))
+    subprocess.run([sys.executable, "-c", _WRITE, *args], check=True, cwd=ROOT)
+
+
 def bench(
     work: Path,
     hidden: int = 2048,
@@ -129,59 +136,35 @@ def bench(
 ) -> ExportBench:
     checkpoint = work / "checkpoint"
     log(f"writing a nemotron-nas checkpoint: hidden {hidden}, {layers} layers, bf16 ...")
-    subprocess.run(
-        [sys.executable, "-c", _BUILD, str(checkpoint), *map(str, (hidden, heads, layers, vocab, shards))],
-        check=True,
-        cwd=ROOT,
-    )
+    build_checkpoint(checkpoint, hidden, heads, layers, vocab, shards)
     table = open_checkpoint(checkpoint)
     shards_files = sorted(checkpoint.glob("*.safetensors"))
     script = ROOT / "tools" / "export_model.py"
     runs = [("export_bf16", script, ["--hf", checkpoint, "-o"])]
     runs += [("export_fp16", script, ["--dtype", "float16", "--hf", checkpoint, "-o"])] if convert else []
-    log("copying the safetensors files once to read them into the page cache ...")
-    _copy(shards_files, work / "copy")
+    measured = [(name, partial(_export_step, name, target, args, work)) for name, target, args in runs]
     steps = []
-    for round_ in range(1, rounds + 1):
-        log(f"round {round_}: copying the safetensors files ...")
-        copied, cpu = _copy(shards_files, work / "copy")
+    for one in alternate_with_copy(shards_files, work / "copy", rounds, measured, log):
         copy = ExportStep(
-            "copy", copied.seconds, copied.peak_bytes, output_bytes=table.total_bytes, round=round_
-        )
-        copy.copy_seconds, copy.cpu_seconds = copied.seconds, cpu
+            "copy", one.copy.seconds, one.copy.peak_bytes, output_bytes=table.total_bytes, round=one.round,
+            copy_seconds=one.copy.seconds, cpu_seconds=one.copy.cpu_seconds,
+        )  # fmt: skip
         steps.append(copy)
-        for name, target, args in runs:
-            log(f"round {round_}: running {name} ...")
-            steps.append(_export_step(name, target, args, work, round_, copied.seconds))
+        for step in one.steps:
+            step.copy_seconds = one.copy.seconds
+            steps.append(step)
     return ExportBench(table.total_bytes, table.largest_bytes, layers, hidden, steps)
 
 
-def _copy(files: list[Path], target: Path) -> tuple[Measured, float]:
-    os.sync()  # what the step before left dirty is written back first, not during this step
-    cpu = _children_cpu()
-    copied = timed_copy(files, target)
-    cpu = _children_cpu() - cpu
-    shutil.rmtree(target)
-    return copied, cpu
-
-
-def _children_cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
-def _export_step(
-    name: str, target: str | Path, args: list, work: Path, round_: int, copy_s: float
-) -> ExportStep:
+def _export_step(name: str, target: str | Path, args: list, work: Path, round_: int) -> ExportStep:
     out = work / name / "model.onnx"
-    os.sync()
-    cpu = _children_cpu()
     run = measure(target, [*args, out])
-    cpu = _children_cpu() - cpu
     if run.code != 0:
         raise RuntimeError(f"{name} failed: {run.output[-800:]}")
     split = re.search(r"time: graph ([\d.]+) s, weights ([\d.]+) s", run.output)
     graph, weights = (float(split.group(1)), float(split.group(2))) if split else (0.0, 0.0)
     size = sum(p.stat().st_size for p in out.parent.iterdir())
     shutil.rmtree(out.parent)
-    return ExportStep(name, run.seconds, run.peak_bytes, graph, weights, size, round_, copy_s, cpu)
+    return ExportStep(
+        name, run.seconds, run.peak_bytes, graph, weights, size, round_, cpu_seconds=run.cpu_seconds
+    )

@@ -4,10 +4,11 @@ tools/export_checkpoint.py against a plain copy of the same weights.
 Setup (untimed): runtime.bench.export's random Nemotron-NAS checkpoint (bf16 shards, attention on even
 layers), exported by export_model.py --hf (bf16) and fused with every pair [2k, 2k + 1] of the first
 `groups` pairs (an attention layer and the attention-free layer after it), without validation. Then, for
-`rounds` rounds, each step in a fresh child process whose own peak RSS is read (runtime.bench.peak_memory),
-with `sync` before each so that none pays for the writeback of the one before:
+`rounds` rounds (runtime.bench.peak_memory.alternate_with_copy, as runtime.bench.export), each step in a
+fresh child process whose own peak RSS and CPU time are read, with `sync` before each so that none pays for
+the writeback of the one before:
   - copy: the fused graph's data file copied (the bytes the checkpoint holds, the I/O floor),
-  - export: tools/export_checkpoint.py of the fused graph (bf16 kept: one kernel copy per tensor).
+  - export: tools/export_checkpoint.py of the fused graph (bf16 kept: kernel copies only).
 Bounds (issue 36): time at most 1.2x the copy's, peak RSS at most 256 MB, whatever the model size.
 """
 
@@ -20,10 +21,11 @@ import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
-from runtime.bench.export import _BUILD, _children_cpu  # the same checkpoint and CPU accounting
-from runtime.bench.peak_memory import measure, timed_copy
+from runtime.bench.export import build_checkpoint
+from runtime.bench.peak_memory import alternate_with_copy, measure
 
 ROOT = Path(__file__).resolve().parents[2]
 MB = 1 << 20
@@ -101,34 +103,26 @@ def bench(
 ) -> CheckpointBench:
     checkpoint = work / "checkpoint"
     log(f"writing a nemotron-nas checkpoint: hidden {hidden}, {layers} layers, bf16 ...")
-    args = (hidden, heads, layers, vocab, shards)
-    subprocess.run([sys.executable, "-c", _BUILD, str(checkpoint), *map(str, args)], check=True, cwd=ROOT)
+    build_checkpoint(checkpoint, hidden, heads, layers, vocab, shards)
     log(f"exporting it to ONNX and fusing {groups} pairs (untimed) ...")
     subprocess.run([sys.executable, "-c", _PREPARE, str(checkpoint), str(work), str(groups)], check=True,
                    cwd=ROOT)
     fused = work / "fused" / "model.onnx"
     data = [p for p in fused.parent.iterdir() if p.name != fused.name]
     data_bytes = sum(p.stat().st_size for p in data)
-    timed_copy(data, work / "copy")  # reads the data file into the page cache once
-    shutil.rmtree(work / "copy")
+    export = partial(_export_step, fused, checkpoint, work / "out")
     steps = []
-    tool = ROOT / "tools" / "export_checkpoint.py"
-    for round_ in range(1, rounds + 1):
-        log(f"round {round_}: copy, then export_checkpoint ...")
-        subprocess.run(["sync"], check=False)
-        cpu = _children_cpu()
-        copied = timed_copy(data, work / "copy")
-        cpu = _children_cpu() - cpu
-        steps.append(CheckpointStep("copy", round_, copied.seconds, cpu, copied.peak_bytes, data_bytes))
-        shutil.rmtree(work / "copy")
-        subprocess.run(["sync"], check=False)
-        out = work / "out"
-        cpu = _children_cpu()
-        run = measure(tool, [fused, "--source", checkpoint, "-o", out])
-        if run.code != 0:
-            raise RuntimeError(f"export_checkpoint failed: {run.output[-800:]}")
-        size = sum(p.stat().st_size for p in out.iterdir())
-        cpu = _children_cpu() - cpu
-        steps.append(CheckpointStep("export", round_, run.seconds, cpu, run.peak_bytes, size))
-        shutil.rmtree(out)
+    for one in alternate_with_copy(data, work / "copy", rounds, [("export_checkpoint", export)], log):
+        c = one.copy
+        steps.append(CheckpointStep("copy", one.round, c.seconds, c.cpu_seconds, c.peak_bytes, data_bytes))
+        steps += one.steps
     return CheckpointBench(data_bytes, layers, hidden, groups, steps)
+
+
+def _export_step(fused: Path, checkpoint: Path, out: Path, round_: int) -> CheckpointStep:
+    run = measure(ROOT / "tools" / "export_checkpoint.py", [fused, "--source", checkpoint, "-o", out])
+    if run.code != 0:
+        raise RuntimeError(f"export_checkpoint failed: {run.output[-800:]}")
+    size = sum(p.stat().st_size for p in out.iterdir())
+    shutil.rmtree(out)
+    return CheckpointStep("export", round_, run.seconds, run.cpu_seconds, run.peak_bytes, size)

@@ -223,6 +223,53 @@ def test_a_wrong_early_guess_is_rewritten(all_kinds, tmp_path) -> None:
         p.name for p in (tmp_path / "plain").iterdir())
 
 
+def test_the_early_guess_reads_the_onnx_file_as_onnx_does(all_kinds, tmp_path) -> None:
+    """exporters.nas.onnx_proto (the standard-library reader the early copy uses instead of `import onnx`)
+    gives the metadata and every initializer's name, dtype, dims, raw bytes and external place that onnx's
+    own parser gives: on the float32 graph (norms inline) and on a fused bf16 graph."""
+    from exporters.nas.onnx_proto import read_model
+
+    folder, onnx = all_kinds
+    bf16 = tmp_path / "bf16" / "model.onnx"
+    export_hf(folder, bf16)
+    fused = fuse_file(bf16, parse_plan(PLAN), tmp_path / "fused" / "model.onnx", validate_output=False).output
+    for path in (onnx, fused):
+        proto, header = load_proto(path), read_model(path)
+        assert header.metadata == {p.key: p.value for p in proto.metadata_props}
+        assert list(header.initializers) == [t.name for t in proto.graph.initializer]
+        inline = 0
+        for tensor in proto.graph.initializer:
+            ours = header.initializers[tensor.name]
+            assert (ours.data_type, ours.dims, ours.data_location) == (
+                tensor.data_type, list(tensor.dims), tensor.data_location)
+            assert ours.raw_data == tensor.raw_data
+            assert ours.external == {e.key: e.value for e in tensor.external_data}
+            inline += bool(tensor.raw_data)
+        assert inline and len(header.initializers) > inline  # both kinds were compared
+
+
+def test_contiguous_copies_are_one_kernel_copy(tmp_path, monkeypatch) -> None:
+    """Tensors whose bytes follow each other in the source file are written by one copy_file_range run (a
+    thread copying beside the recognizer takes the GIL back once per call); the file is the same as when
+    each tensor is copied on its own, and a tensor from elsewhere starts a new run."""
+    from exporters.nas import safetensors_out as st
+
+    source = tmp_path / "weights.bin"
+    source.write_bytes(np.random.default_rng(0).integers(0, 256, 64 * 6, dtype=np.uint8).tobytes())
+    spans = [(0, 64), (64, 128), (256, 64), (128, 128)]  # the third is not right after the second
+    tensors = [st.copied(f"t{k}", "float16", (n // 2,), str(source), a, n) for k, (a, n) in enumerate(spans)]
+    calls = []
+    real = st.copy_range
+    monkeypatch.setattr(st, "copy_range", lambda *a, **k: calls.append(a[4]) or real(*a, **k))
+    (tmp_path / "runs").mkdir()
+    st.write_checkpoint(tmp_path / "runs", tensors)
+    assert calls == [192, 64, 128]
+    loaded = load_file(tmp_path / "runs" / "model.safetensors")
+    data = source.read_bytes()
+    for k, (at, n) in enumerate(spans):
+        assert loaded[f"t{k}"].tobytes() == data[at : at + n]
+
+
 # ------------------------------------------------------------------------------------------------- FP8
 
 

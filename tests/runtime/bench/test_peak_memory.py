@@ -29,3 +29,14 @@ def test_timed_copy(tmp_path):
     source.write_bytes(b"z" * 1000)
     assert timed_copy([source], tmp_path / "copy").code == 0
     assert (tmp_path / "copy" / "a.bin").read_bytes() == source.read_bytes()
+
+
+def test_cpu_seconds_are_the_childs_work_not_its_wall_time(tmp_path):
+    script = tmp_path / "work.py"
+    script.write_text(
+        "import sys, time\nif sys.argv[1] == 'spin':\n    end = time.process_time() + 0.3\n"
+        "    while time.process_time() < end:\n        pass\nelse:\n    time.sleep(0.3)\n"
+    )
+    spin, sleep = measure(script, ["spin"]), measure(script, ["sleep"])
+    assert spin.cpu_seconds >= 0.3 and spin.seconds >= 0.3
+    assert sleep.cpu_seconds < 0.1 and sleep.seconds >= 0.3
