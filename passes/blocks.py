@@ -70,6 +70,7 @@ class Block:
     attention_what: str | None = None
     ffn_what: str | None = None
     kv_heads: int | None = None  # softmax attention: its KV heads, where the recognizer reads them
+    heads: int | None = None  # softmax attention: its query heads, likewise
     # The parallel group (first, last) the block is a member of (passes/parallel.py wrote it): every member
     # reads the group's input, and `residual` is the group's add (x + the sum of all members' branches).
     parallel: tuple[int, int] | None = None

@@ -382,7 +382,7 @@ def _block(
         name,
         _what(attn) if attention_kind in ("linear", "other") else None,
         _what(ffn) if ffn_kind in ("linear", "other") else None,
-        _kv_heads(attn) if attention_kind == "attention" else None,
+        *(_heads(attn) if attention_kind == "attention" else (None, None)),
     )
 
 
@@ -393,14 +393,16 @@ def _what(branch: ResidualBranch | None) -> str | None:
     return f"{branch.describe()}, {what or 'not a SwiGLU FFN'}"
 
 
-def _kv_heads(branch: ResidualBranch | None) -> int | None:
-    """The attention branch's KV heads, where the attention recognizer reads them (display only)."""
+def _heads(branch: ResidualBranch | None) -> tuple[int | None, int | None]:
+    """The attention branch's (KV heads, query heads), where the attention recognizer reads them (the block
+    table, the latency model's dimensions)."""
     if branch is None:
-        return None
+        return None, None
     try:
-        return match_attention(branch.residual.branch, branch.start).kv_heads
+        attention = match_attention(branch.residual.branch, branch.start)
     except (NoMatch, UserError):
-        return None
+        return None, None
+    return attention.kv_heads, attention.heads
 
 
 # The exporter's metadata (exporters/hf/checkpoint.py writes it): per source layer "attention+ffn" kinds.

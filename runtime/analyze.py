@@ -35,7 +35,6 @@ from passes.analysis.parallel_groups import (
     select_parallel_groups,
 )
 from passes.analysis.propose import DEFAULT_THRESHOLD, NormChoice, choose_norm, propose
-from passes.blocks import Block
 from passes.errors import UserError
 from passes.io.model_io import load_model
 from passes.model_map import find_blocks
@@ -43,7 +42,7 @@ from passes.pipeline import fuse_file
 from passes.plan import Plan, validate_plan
 from passes.run.block_runner import BlockRunner
 from runtime.evaluate import QualityResult, evaluate
-from runtime.latency.predict import LayerShape, fuse_blocks, hardware, predict_decode
+from runtime.latency.predict import LayerShape, fuse_blocks, hardware, layer_shapes, predict_decode
 from runtime.text_sets import (
     TextSet,
     calibration_windows,
@@ -218,15 +217,6 @@ def check_parallel_options(options: AnalyzeOptions) -> None:
         raise UserError(f"--parallel-max-kl {options.parallel_max_kl}: a KL bound is 0 or more nats")
     if options.eval_tokens < 2:
         raise UserError(f"--eval-tokens {options.eval_tokens}: perplexity needs at least 2 tokens")
-
-
-def layer_shapes(blocks: Sequence[Block]) -> list[LayerShape]:
-    """The block table as the latency model sees it: an attention part of any kind ends in an all-reduce,
-    and so does an FFN part of any kind (a Linear FFN has no width: 1 marks it present)."""
-    return [
-        LayerShape(b.attention_kind != "none", b.width or int(b.ffn_kind != "none"), b.kv_heads)
-        for b in blocks
-    ]
 
 
 def tp_counts(shapes: Sequence[LayerShape], plan: Plan) -> tuple[int, int]:

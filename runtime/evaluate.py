@@ -51,7 +51,7 @@ class _Sums:
         self.cos = 0.0
 
     def add(self, ids: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
-        la, lb = _log_softmax(a), _log_softmax(b)
+        la, lb = log_softmax(a), log_softmax(b)
         if ids.shape[-1] > 1:
             targets = ids[..., 1:, None]
             for k, lp in enumerate((la, lb)):
@@ -78,7 +78,7 @@ class _Sums:
         )
 
 
-def _log_softmax(logits: np.ndarray) -> np.ndarray:
+def log_softmax(logits: np.ndarray) -> np.ndarray:
     x = logits.astype(np.float64)
     x -= x.max(axis=-1, keepdims=True)
     return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
@@ -89,21 +89,17 @@ class Evaluator:
 
     def __init__(self, original: str | Path, fused: str | Path):
         self.paths = (Path(original), Path(fused))
-        self.protos = [load_proto(p) for p in self.paths]
-        self.sessions = [session(proto, p.parent) for proto, p in zip(self.protos, self.paths, strict=True)]
-        self.signatures = [Signature.of(proto) for proto in self.protos]
+        self.models = [ModelRun(p) for p in self.paths]
 
     def logits(self, k: int, ids: np.ndarray) -> np.ndarray:
-        signature = self.signatures[k]
-        logits = self.sessions[k].run([signature.logits.name], signature.feeds(ids))[0]
-        return logits.reshape(*ids.shape, -1)
+        return self.models[k].logits(ids)
 
     def batch_size(self, wanted: int) -> int:
         """`wanted` windows per call, capped by a batch dim either model fixes (a flat model: 1)."""
-        return min(s.batch_size(wanted) for s in self.signatures)
+        return min(m.signature.batch_size(wanted) for m in self.models)
 
     def check_window(self, window: int) -> None:
-        for path, signature in zip(self.paths, self.signatures, strict=True):
+        for path, signature in zip(self.paths, (m.signature for m in self.models), strict=True):
             if signature.fixed_seq not in (None, window):
                 raise UserError(f"{path} takes exactly {signature.fixed_seq} tokens: use --window "
                                 f"{signature.fixed_seq}")
@@ -167,3 +163,68 @@ def format_table(results: Sequence[QualityResult]) -> str:
             f"{r.kl:>9.4f} {r.logits_cosine:>8.5f}"
         )
     return "\n".join(lines)
+
+
+class ReferenceRun:
+    """The original model's logits on text sets, run once and kept in `folder` (one float32 .npy per set,
+    memory-mapped when read), so that many variants are compared with the original without running it
+    again (tools/analyze.py --frontier). Files already in `folder` are reused: the caller keys the folder
+    by the model and the texts."""
+
+    def __init__(
+        self, original: str | Path, texts: Sequence[TextSet], folder: Path, batch: int = 4,
+        progress: bool = True,
+    ):
+        self.texts, self.batch = list(texts), batch
+        folder.mkdir(parents=True, exist_ok=True)
+        self.files = [folder / f"{k}-{t.name}.logits.npy" for k, t in enumerate(self.texts)]
+        if all(f.exists() for f in self.files):
+            return
+        evaluator = ModelRun(original)
+        for text, file in zip(self.texts, self.files, strict=True):
+            partial = file.with_suffix(".partial.npy")
+            out = None
+            step = evaluator.signature.batch_size(batch)
+            for start in tqdm(range(0, len(text.windows), step), desc=f"original on {text.name}",
+                              disable=not progress, leave=False):
+                logits = evaluator.logits(text.windows[start : start + step])
+                if out is None:
+                    shape = (*text.windows.shape, logits.shape[-1])
+                    out = np.lib.format.open_memmap(partial, mode="w+", dtype=np.float32, shape=shape)
+                out[start : start + len(logits)] = logits
+            if out is not None:
+                out.flush()
+                del out
+                partial.replace(file)  # complete files only: an interrupted run starts that set again
+
+    def compare(self, variant: str | Path, progress: bool = True) -> list[QualityResult]:
+        """One result per text set, plus "all" (pooled) when there are several, as `evaluate` gives."""
+        model = ModelRun(variant)
+        results, pooled = [], _Sums()
+        for text, file in zip(self.texts, self.files, strict=True):
+            sums = _Sums()
+            reference = np.load(file, mmap_mode="r") if text.windows.size else None
+            step = model.signature.batch_size(self.batch)
+            for start in tqdm(range(0, len(text.windows), step), desc=f"evaluate {text.name}",
+                              disable=not progress, leave=False):
+                ids = text.windows[start : start + step]
+                sums.add(ids, np.asarray(reference[start : start + len(ids)]), model.logits(ids))
+            results.append(sums.result(text.name))
+            pooled.merge(sums)
+        if len(results) > 1:
+            results.append(pooled.result("all"))
+        return results
+
+
+class ModelRun:
+    """One model's ORT session and input signature."""
+
+    def __init__(self, path: str | Path):
+        path = Path(path)
+        proto = load_proto(path)
+        self.session = session(proto, path.parent)
+        self.signature = Signature.of(proto)
+
+    def logits(self, ids: np.ndarray) -> np.ndarray:
+        out = self.session.run([self.signature.logits.name], self.signature.feeds(ids))[0]
+        return out.reshape(*ids.shape, -1)

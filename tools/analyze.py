@@ -8,9 +8,11 @@ from pathlib import Path
 from passes.analysis.parallel_groups import DEFAULT_BLOCK_GROUP
 from passes.analysis.propose import DEFAULT_THRESHOLD
 from passes.cli import add_token_source, parse, tool_parser
-from passes.errors import run_cli
+from passes.errors import UserError, run_cli
 from passes.plan import NORM_MODES
 from runtime.analyze import HEAL_THRESHOLD, AnalyzeOptions, analyze_and_plan
+from runtime.frontier.pipeline import FrontierOptions, run_frontier
+from runtime.frontier.target import TARGETS, WEIGHT_BYTES, TargetOptions
 
 EPILOG = """\
 examples:
@@ -23,6 +25,14 @@ examples:
                                                             they are added, the first 2 in plan.json
   analyze.py model.onnx --out analysis/ --parallel-blocks --block-group 2 --parallel-count 3
   fuse_onnx.py model.onnx analysis/plan.json                then fuse with the proposed plan
+
+the frontier of speed against quality (docs/frontier.md):
+  analyze.py model.onnx --frontier --out fr/                every plan the greedy walks reach, measured
+  analyze.py model.onnx --frontier --out fr/ --max-kl 0.1   and the fastest one within KL 0.1 -> plan.json
+  analyze.py model.onnx --frontier --out fr/ --min-speedup 1.05 --target-tp 8 --target-gpu h200
+  analyze.py puzzle49b.onnx --frontier --out fr/ --target super-49b   speed on Super-49B's dimensions
+  analyze.py model.onnx --frontier --out fr/ --max-kl 0.1 --heal      heal the chosen plan, measure it
+  a second run into the same --out reuses every measurement (fr/cache/)
 
 calibration text: --text FILE..., else the project's default calibration text (license prose from
 /usr/share/common-licenses and Python standard-library code; runtime/text_sets.py CALIBRATION_FILES, the
@@ -108,16 +118,72 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parallel.add_argument(
         "--eval-tokens",
         type=int,
-        default=2048,
         metavar="N",
-        help="held-out tokens per text set for the table (default 2048; evaluate.py's texts)",
+        help="held-out tokens per text set for the table (default 2048; with --frontier 1024 per plan; "
+        "evaluate.py's texts)",
     )
+    frontier = parser.add_argument_group("frontier of speed against quality (docs/frontier.md)")
+    frontier.add_argument(
+        "--frontier",
+        action="store_true",
+        help="instead of one proposal: walk plans greedily by predicted speedup per unit of measured "
+        "quality lost, fuse and measure each on held-out text; frontier.json/.md/.png (and plan.json with a "
+        "budget). With --heal: heal the chosen plan (with a budget) or every frontier plan",
+    )
+    budget = frontier.add_mutually_exclusive_group()
+    budget.add_argument("--max-kl", type=float, metavar="NATS", help="budget: the fastest plan within it")
+    budget.add_argument("--min-speedup", type=float, metavar="X", help="budget: the closest plan this fast")
+    frontier.add_argument(
+        "--target", default="own", choices=TARGETS,
+        help="dimensions the speed is predicted for: the model's own (default) or a paper model with the "
+        "model's block table",
+    )
+    frontier.add_argument("--target-tp", type=int, metavar="N",
+                          help="TP degree (default 8, or the largest below dividing the heads: SmolLM2 3)")
+    frontier.add_argument("--target-gpu", choices=("h100", "h200"), default="h100", help="default h100")
+    frontier.add_argument("--target-dtype", choices=tuple(WEIGHT_BYTES), default="fp8", help="default fp8")
+    frontier.add_argument("--target-batch", type=int, default=1, metavar="B", help="decode batch (default 1)")
+    frontier.add_argument("--screen-tokens", type=int, default=512, metavar="N",
+                          help="calibration tokens for each move's cost (default 512)")
+    frontier.add_argument("--max-steps", type=int, metavar="K", help="plans per greedy walk (default: all)")
+    frontier.add_argument("--bench-tp", type=int, metavar="N",
+                          help="also decode the original and the frontier's plans as N rank graphs over gloo "
+                          "on this machine's CPUs, and report each plan's decode tokens/s ratio")
+    frontier.add_argument("--lm-eval", action="store_true",
+                          help="also score the original and the frontier's plans with lm-eval (license_mc, "
+                          "through the server; slow)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
-    return parse(parser, argv, "num_tokens", "window", "heal_tokens")
+    return parse(parser, argv, "num_tokens", "window", "heal_tokens", "screen_tokens")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.frontier:
+        target = TargetOptions(
+            args.target, args.target_gpu, args.target_tp, args.target_dtype, args.target_batch
+        )
+        options = FrontierOptions(
+            target=target,
+            max_kl=args.max_kl,
+            min_speedup=args.min_speedup,
+            text=args.text,
+            tokens=args.tokens,
+            screen_tokens=args.screen_tokens,
+            window=args.window,
+            eval_tokens=args.eval_tokens or 1024,
+            max_group=args.max_group,
+            start_at_attention=args.start_at_attention,
+            block_group=args.block_group,
+            max_steps=args.max_steps,
+            heal=("chosen" if args.max_kl is not None or args.min_speedup is not None else "frontier")
+            if args.heal else None,
+            lm_eval=args.lm_eval,
+            bench_tp=args.bench_tp,
+        )
+        run_frontier(args.model, args.out, options, progress=not args.quiet)
+        return 0
+    if args.max_kl is not None or args.min_speedup is not None:
+        raise UserError("--max-kl and --min-speedup are budgets of --frontier")
     options = AnalyzeOptions(
         text=args.text,
         tokens=args.tokens,
@@ -135,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         block_group=args.block_group,
         parallel_count=args.parallel_count,
         parallel_max_kl=args.parallel_max_kl,
-        eval_tokens=args.eval_tokens,
+        eval_tokens=args.eval_tokens or 2048,
     )
     analyze_and_plan(args.model, args.out, options, progress=not args.quiet)
     return 0

@@ -78,6 +78,8 @@ class BlockRunner:
         self.side: dict[str, np.ndarray] = {}
         self.logits: np.ndarray | None = None
         self._tail: tuple[list[str], onnx.ModelProto] | None = None
+        self._tail_session: ort.InferenceSession | None = None
+        self._branches: dict[int, ort.InferenceSession] = {}
         # Streaming: blocks with more FFN weight bytes than this run through the row-block reference.
         self.large_ffn_bytes = large_ffn_bytes
 
@@ -156,13 +158,24 @@ class BlockRunner:
             x = outputs[self.cuts[k].output_name] = self.run_block(k, x)
         self._sessions.clear()
         self._attention.clear()
-        self.logits = None if only else self._run_tail(x)
+        self.logits = None if only else self.run_tail(x)
         outputs.update(feed)
         return outputs
 
-    def _run_tail(self, stream: np.ndarray) -> np.ndarray:
+    def tail_inputs(self) -> list[str]:
+        """The side tensors the tail (final norm and lm_head) reads besides the last stream: a whole-model
+        capture keeps them when asked (capture(tokens, extra=runner.tail_inputs())) for run_tail."""
+        return self._tail_cut()[0]
+
+    def run_tail(self, stream: np.ndarray) -> np.ndarray:
+        """The logits for the last block's output `stream` (side tensors from the last capture). A streaming
+        runner loads the tail anew each time; a whole-model runner keeps its session."""
         side, proto = self._tail_cut()
-        tail = session(proto, self.path.parent, self.threads, prepack=False)
+        tail = self._tail_session
+        if tail is None:
+            tail = session(proto, self.path.parent, self.threads, prepack=False)
+            if not self.streaming:
+                self._tail_session = tail
         feed = {self.cuts[-1].output_name: stream, **{n: self.side[n] for n in side}}
         return np.array(tail.run(None, feed)[0])
 
@@ -199,6 +212,7 @@ class BlockRunner:
         outputs = dict(zip(existing + wanted, values, strict=True))
         outputs.update(feed)
         self.side = {n: outputs[n] for c in self.cuts for n in c.side_inputs}
+        self.side.update({n: outputs[n] for n in extra if n in outputs})  # e.g. the tail's side tensors
         self.logits = None if only else outputs[existing[0]]
         return outputs
 
@@ -209,6 +223,8 @@ class BlockRunner:
         self.cuts = []
         self.proto = onnx.ModelProto()
         self._tail = None
+        self._tail_session = None
+        self._branches.clear()
 
     def run_attention(self, k: int, stream: np.ndarray) -> np.ndarray:
         """The stream entering block k's FFN (after its attention sub-block) for block input `stream`."""
@@ -230,11 +246,16 @@ class BlockRunner:
         """What block k's parts add to the stream for block input `stream`: its attention and FFN residual
         branches (block_k(x) - x, without the float32 cancellation of subtracting two streams)."""
         block, cut = self.blocks[k], self.cuts[k]
-        names = [r.branch.name for r in (block.attention_residual, block.residual) if r is not None]
-        fill_stream_types(self.proto, [cut.input_name, *names])
-        sub = onnx.utils.Extractor(self.proto).extract_model([cut.input_name, *cut.side_inputs], names)
+        sess = self._branches.get(k)
+        if sess is None:
+            names = [r.branch.name for r in (block.attention_residual, block.residual) if r is not None]
+            fill_stream_types(self.proto, [cut.input_name, *names])
+            sub = onnx.utils.Extractor(self.proto).extract_model([cut.input_name, *cut.side_inputs], names)
+            sess = session(sub, self.path.parent, self.threads)
+            if not self.streaming:  # a streaming runner holds at most one block's weights
+                self._branches[k] = sess
         feed = {cut.input_name: stream, **{n: self.side[n] for n in cut.side_inputs}}
-        return [np.array(v) for v in session(sub, self.path.parent, self.threads).run(None, feed)]
+        return [np.array(v) for v in sess.run(None, feed)]
 
     def run_block(self, k: int, stream: np.ndarray) -> np.ndarray:
         """Block k's output stream for input `stream` (side tensors from the last capture)."""

@@ -112,6 +112,7 @@ def load_pair(original: str | Path, fused: str | Path) -> HealPair:
             raise UserError(f"{mismatch}: group [{first}, {last}] has width {width} in the original")
     for first, last in plan.parallel:
         members = pair.weight_blocks((first, last))
-        if any(b.parallel != (first, last) for b in members):
+        start = pair.fused_index((first, last))  # the fused graph numbers its own blocks
+        if any(b.parallel != (start, start + last - first) for b in members):
             raise UserError(f"{mismatch}: blocks {first}..{last} are no parallel group in the fused model")
     return pair

@@ -21,9 +21,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING
 
 from passes.errors import UserError
 from runtime.latency.constants import value
+
+if TYPE_CHECKING:  # the latency model itself needs no graph library
+    from passes.blocks import Block
 
 # --------------------------------------------------------------------------------------------------------
 # Records
@@ -316,3 +320,12 @@ def fuse_blocks(
 def _check_range(what: str, i: int, j: int, n: int) -> None:
     if not 0 <= i < j < n:
         raise UserError(f"{what} [{i}, {j}] is out of range for {n} blocks (and needs i < j)")
+
+
+def layer_shapes(blocks: Sequence[Block]) -> list[LayerShape]:
+    """A recognized block table as the latency model sees it: an attention part of any kind ends in an
+    all-reduce, and so does an FFN part of any kind (a Linear FFN has no width: 1 marks it present)."""
+    return [
+        LayerShape(b.attention_kind != "none", b.width or int(b.ffn_kind != "none"), b.kv_heads)
+        for b in blocks
+    ]

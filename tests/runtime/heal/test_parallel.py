@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from exporters.llama import build_model
+from exporters.spec import BlockSpec, ModelSpec
 from passes.graph_inputs import Signature
 from passes.io.model_io import load_model
 from passes.io.sessions import open_session
@@ -145,3 +146,21 @@ def test_parallel_only_plan_heals_and_wrong_original_is_refused(healed, tool, tm
         )
     }
     assert_one_line_error(tool, folder, tmp_path, cases)
+
+
+def test_parallel_group_after_an_ffn_group_heals(tmp_path):
+    """The fused graph numbers a parallel group after an FFN group in its own blocks ([0, 1] fused -> the
+    parallel [2, 4] is the fused graph's [1, 3]); healing finds it there."""
+    from exporters.onnx_export import export_spec_model
+
+    attention, widths = [True, False, True, True, True], [64, 48, 80, 56, 72]
+    blocks = [BlockSpec(a, w) for a, w in zip(attention, widths, strict=True)]
+    model = tmp_path / "m.onnx"
+    mixed = ModelSpec(hidden=32, heads=4, kv_heads=2, vocab=96, tie_embeddings=False, blocks=blocks)
+    export_spec_model(mixed, model, seed=SEED)
+    plan = parse_plan({"groups": [[0, 1]], "parallel_blocks": [[2, 4]]})
+    fused = fuse_file(model, plan, tmp_path / "f.onnx")
+    ids = windows(np.random.default_rng(3).integers(0, 96, 1024), 32)
+    groups = heal(model, fused.output, ids[:24], ids[24:], None).groups
+    assert [(g.group, g.kind) for g in groups] == [((0, 1), "ffn"), ((2, 4), "parallel")]
+    assert all(g.heldout_after < g.heldout_before for g in groups), [g.line() for g in groups]

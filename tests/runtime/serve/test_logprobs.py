@@ -11,7 +11,7 @@ import httpx
 import numpy as np
 import pytest
 
-from runtime.evaluate import Evaluator, _log_softmax
+from runtime.evaluate import Evaluator, log_softmax
 from tests import decode_fixtures as fx
 from tests import serve_fixtures as sf
 from tests.runtime.serve.clients import client, complete, error_of
@@ -23,7 +23,7 @@ def reference(tmp_path_factory):
     """The tiny graph's log_softmax for a prompt [len, vocab], as runtime/evaluate.py computes it."""
     path = sf.tiny_folder(tmp_path_factory.getbasetemp()) / "model.onnx"
     evaluator = Evaluator(path, path)
-    return lambda ids: _log_softmax(evaluator.logits(0, np.asarray([ids], dtype=np.int64)))[0]
+    return lambda ids: log_softmax(evaluator.logits(0, np.asarray([ids], dtype=np.int64)))[0]
 
 
 def token_text(token: int) -> str:

@@ -1,0 +1,261 @@
+"""tools/analyze.py --frontier: which plan is fastest on a deployment for the quality a user can give up.
+
+1. Moves (moves.py): every FFN group inside the attention-free runs in both norm modes, and every window
+   of full blocks for a parallel group (paper section 6).
+2. Each move's cost measured alone on calibration tokens (screen.py: KL of the final logits).
+3. Greedy walks, one per norm mode (moves.py), by predicted speedup (target.py, the latency model) gained
+   per unit of summed cost; with a paper target, the paper's own plans join them.
+4. Every plan of the walks fused and measured whole on held-out text (measure.py, cached), beside its
+   whole-plan calibration cost, to show where summing the moves' costs was wrong.
+5. The plans no other plan beats on both speed and KL form the frontier; a budget (--max-kl or
+   --min-speedup) chooses one into plan.json; --heal heals the chosen plan (or every frontier plan) and
+   measures it on the same text; --lm-eval scores the frontier's plans through the server.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from passes.errors import UserError
+from passes.io.model_io import load_model
+from passes.model_map import find_blocks, vocab_size
+from passes.pipeline import fuse_file
+from passes.plan import NORM_MODES, Plan, validate_plan
+from runtime.analyze import tp_counts
+from runtime.frontier.bench import decode_ratios
+from runtime.frontier.measure import PlanMeasurer, Quality
+from runtime.frontier.moves import Move, dominated, ffn_moves, parallel_moves, walk
+from runtime.frontier.report import Entry, FrontierReport
+from runtime.frontier.screen import PlanCosts
+from runtime.frontier.target import TargetOptions, resolve
+from runtime.text_sets import calibration_windows, evaluation_sets
+
+
+@dataclass(frozen=True)
+class FrontierOptions:
+    target: TargetOptions = field(default_factory=TargetOptions)
+    max_kl: float | None = None  # budget: the fastest frontier plan within this KL
+    min_speedup: float | None = None  # budget: the lowest-KL frontier plan at least this fast
+    text: Sequence[Path] | None = None  # calibration text for the move costs (default: text_sets')
+    tokens: Path | None = None
+    screen_tokens: int = 512  # calibration tokens for the move costs
+    window: int = 128
+    eval_tokens: int = 1024  # held-out tokens per text set for each measured plan
+    max_group: int | None = None
+    start_at_attention: bool = False
+    block_group: int = 4  # blocks per parallel move; 0: no parallel moves
+    max_steps: int | None = None  # plans per walk
+    heal: str | None = None  # "chosen" or "frontier"
+    lm_eval: bool = False
+    lm_eval_items: int = 100
+    bench_tp: int | None = None  # also decode the frontier's plans over this many gloo ranks on the CPU
+
+    def check(self) -> None:
+        if self.max_kl is not None and self.min_speedup is not None:
+            raise UserError("give one budget: --max-kl or --min-speedup")
+        if self.max_kl is not None and not self.max_kl >= 0:
+            raise UserError(f"--max-kl {self.max_kl}: a KL budget is 0 or more nats")
+        if self.min_speedup is not None and not self.min_speedup > 0:
+            raise UserError(f"--min-speedup {self.min_speedup}: a speedup is a positive ratio")
+        if self.heal == "chosen" and self.max_kl is None and self.min_speedup is None:
+            raise UserError("healing the chosen plan needs a budget (--max-kl or --min-speedup)")
+        if self.bench_tp is not None and self.bench_tp < 2:
+            raise UserError(f"--bench-tp {self.bench_tp}: tensor parallelism needs at least 2 ranks")
+        if self.block_group == 1:
+            raise UserError("--block-group 1: a parallel group holds at least 2 blocks (0: none)")
+
+
+def _to_stderr(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+def run_frontier(
+    model: Path,
+    out: Path,
+    options: FrontierOptions,
+    progress: bool = True,
+    say: Callable[[str], None] = print,
+    log: Callable[[str], None] = _to_stderr,
+) -> FrontierReport:
+    """Write out/frontier.json, frontier.md, frontier.png (and plan.json with a budget); return the report."""
+    start = time.perf_counter()
+    options.check()
+    blocks = find_blocks(load_model(model))
+    target = resolve(options.target, blocks)
+    moves = ffn_moves(blocks, options.max_group, options.start_at_attention)
+    if options.block_group:
+        moves += parallel_moves(blocks, options.block_group)
+    if not moves:
+        raise UserError(
+            f"{model}: nothing to fuse: no attention-free run with 2 or more SwiGLU FFNs and no "
+            f"{options.block_group} consecutive full blocks for a parallel group"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    cache = out / "cache"
+    say(f"target: {target.describe()}")
+    counts = {k: sum(m.kind == k for m in moves) for k in ("ffn", "parallel")}
+    say(f"moves: {counts['ffn']} FFN groups (both norm modes), {counts['parallel']} parallel groups")
+
+    vocab = vocab_size(blocks)
+    source = [options.tokens] if options.tokens else options.text
+    calib, where = calibration_windows(vocab, source, options.screen_tokens, options.window)
+    costs = PlanCosts(model, calib, cache)
+    missing = [m for m in moves if not costs.known(m.plan)]
+    cached = len(moves) - len(missing)
+    say(f"move costs: {where} ({calib.shape[0]} x {calib.shape[1]} tokens), {cached} cached")
+    started = lap = time.perf_counter()
+    bar = tqdm(missing, desc="move costs", unit="move", disable=not progress, leave=False)
+    for k, move in enumerate(bar):
+        costs(move.plan)
+        if k == 1:  # the first one also ran the original: time the second
+            each = time.perf_counter() - lap
+            log(f"a move's cost takes {each:.1f} s: about {each * (len(missing) - 2) / 60:.1f} min more")
+        lap = time.perf_counter()
+    if missing:
+        log(f"move costs: {time.perf_counter() - started:.0f} s")
+    costs.save()
+
+    def cost(move: Move) -> float:
+        return costs(move.plan)
+
+    plans: dict[str, tuple[Plan, str, float]] = {}  # plan json -> (plan, label, summed cost)
+    plans[Plan(()).to_json()] = (Plan(()), "original", 0.0)
+    norms = [n for n in NORM_MODES if any(m.norm == n for m in moves)] or ["last"]
+    for norm in norms:
+        for k, step in enumerate(walk(moves, norm, cost, target.speedup, options.max_steps), 1):
+            plans.setdefault(step.plan.to_json(), (step.plan, f"{norm[0]}{k}", step.summed_cost))
+    if target.paper is not None:
+        for label, plan in _paper_plans(target.paper, blocks).items():
+            plans.setdefault(plan.to_json(), (plan, label, _summed(plan, costs)))
+
+    # evaluate.py's default held-out text, so that `evaluate.py --max-tokens N --window W` reproduces a row.
+    texts = evaluation_sets(vocab, options.window, options.eval_tokens)
+    entries = _measure_all(model, out, plans, texts, costs, target, cache, progress, say, log)
+    costs.close()
+    flags = dominated([(e.predicted_speedup, e.quality.kl) for e in entries])
+    entries = [e.with_frontier(not d) for e, d in zip(entries, flags, strict=True)]
+    report = FrontierReport(str(model), target.describe(), where, texts_info(texts), entries,
+                            options.max_kl, options.min_speedup)
+    chosen = report.choose()
+    if options.heal:
+        report = _heal(model, out, report, chosen, options, texts, cache, say, log)
+    if options.lm_eval:
+        report = _lm_eval(model, out, report, options, say, log)
+    if options.bench_tp:
+        fusing = [e for e in report.frontier if e.fuses]
+        ratios = decode_ratios(model, fusing, options.bench_tp, vocab, out, log=log)
+        report = report.with_decode_ratios(ratios, options.bench_tp)
+    report.write(out, target.paper)
+    say("\n".join(report.lines()))
+    if chosen is not None:
+        (out / "plan.json").write_text(chosen.plan.to_json() + "\n")
+        say(f"chosen for the budget: {chosen.label} {chosen.plan.to_json()}")
+    written = ", ".join(str(out / f) for f in ("frontier.json", "frontier.md", "frontier.png"))
+    say(f"wrote {written}" + (f", {out / 'plan.json'}" if chosen is not None else ""))
+    say(f"total time {time.perf_counter() - start:.0f} s")
+    return report
+
+
+def texts_info(texts) -> dict[str, list[str]]:
+    return {t.name: list(t.files) for t in texts}
+
+
+def _summed(plan: Plan, costs: PlanCosts) -> float:
+    """The sum of the plan's moves' costs, each measured alone."""
+    moves = [Move("ffn", g, plan.norm) for g in plan.groups] + [Move("parallel", g) for g in plan.parallel]
+    return sum(costs(m.plan) for m in moves)
+
+
+def _paper_plans(spec, blocks) -> dict[str, Plan]:
+    """The paper's own choices for a paper model: its FFN groups, and each section-6 row beside them."""
+    plans = {"paper": Plan(tuple(spec.groups), "last")}
+    for k, row in enumerate(spec.parallel_series[1:], 1):
+        plans[f"paper+s6.{k}"] = Plan(tuple(spec.groups), "last", tuple(row.groups))
+    valid = {}
+    for label, plan in plans.items():
+        try:
+            validate_plan(plan, list(blocks))
+        except UserError:
+            continue
+        valid[label] = plan
+    return valid
+
+
+def _measure_all(model, out, plans, texts, costs, target, cache, progress, say, log) -> list[Entry]:
+    """Every plan measured whole (held-out, cached) and screened whole (calibration)."""
+    measurer = PlanMeasurer(model, texts, cache, out, progress=False)
+    todo = [p for p, _, _ in plans.values() if p.groups or p.parallel]
+    uncached = [p for p in todo if measurer.cached(p) is None]
+    say(f"plans to measure: {len(todo)} ({len(todo) - len(uncached)} cached); held-out text: "
+        + ", ".join(f"{t.name} {t.tokens} tokens" for t in texts))
+    entries, started, done = [], time.perf_counter(), 0
+    bar = tqdm(total=len(todo), desc="plans", unit="plan", disable=not progress, leave=False)
+    for plan, label, summed in plans.values():
+        if not (plan.groups or plan.parallel):
+            unmeasured = Quality(0.0, float("nan"), float("nan"), 1.0, 0, 0)
+            entries.append(Entry(label, plan, 1.0, 0.0, 0.0, unmeasured,
+                                 *tp_counts(target.shapes, plan)))
+            continue
+        fresh = measurer.cached(plan) is None
+        quality = measurer.measure(plan)
+        if fresh:
+            done += 1
+            if done == 1 and len(uncached) > 1:
+                each = time.perf_counter() - started
+                rest = each * (len(uncached) - 1) / 60
+                log(f"first plan measured in {each:.0f} s: about {rest:.1f} min more")
+        entries.append(Entry(label, plan, target.speedup(plan), summed, costs(plan), quality,
+                             *tp_counts(target.shapes, plan)))
+        bar.update()
+    bar.close()
+    first = next((e.quality for e in entries if e.quality.positions), None)
+    if first is not None:  # the original's own row: its perplexity, measured beside every plan
+        entries[0] = entries[0].with_quality(Quality(0.0, first.ppl_original, first.ppl_original, 1.0,
+                                                     first.positions, 0.0))
+    return entries
+
+
+def _heal(model, out, report, chosen, options, texts, cache, say, log) -> FrontierReport:
+    """Heal the chosen plan (or every frontier plan) and measure the healed model on the same text."""
+    from runtime.heal.report import run_heal  # torch: only --heal needs it
+
+    which = [chosen] if options.heal == "chosen" else [e for e in report.entries if e.on_frontier]
+    which = [e for e in which if e is not None and (e.plan.groups or e.plan.parallel)]
+    measurer = PlanMeasurer(model, texts, cache, out, progress=False)
+    healed = {}
+    with tempfile.TemporaryDirectory(dir=out, prefix=".heal.") as tmp:
+        for entry in which:
+            fused = Path(tmp) / f"{entry.label}.onnx"
+            measurer.measure(entry.plan, keep=fused)
+            target = out / "healed" / f"{entry.label}.onnx"
+            say(f"healing {entry.label} {entry.plan.to_json()} -> {target}")
+            run_heal(model, fused, target, eval_tokens=0, log=log)
+            healed[entry.label] = measurer.quality_of(target)
+    return report.with_healed(healed)
+
+
+def _lm_eval(model, out, report, options, say, log) -> FrontierReport:
+    """lm-eval accuracy (the offline license_mc task, through the server) of the original and every frontier
+    plan."""
+    from runtime.quality import quality  # starts servers; only --lm-eval needs it
+
+    chosen = [e for e in report.entries if e.on_frontier and (e.plan.groups or e.plan.parallel)]
+    with tempfile.TemporaryDirectory(dir=out, prefix=".lm-eval.") as tmp:
+        variants = []
+        for entry in chosen:
+            path = Path(tmp) / entry.label / "model.onnx"
+            path.parent.mkdir()
+            fuse_file(model, entry.plan, path, validate_output=True)
+            variants.append(path)
+        rows = quality(model, variants, out / "lm_eval", items=options.lm_eval_items, log=log)
+    accuracy = {"original": rows[0].scores[0].acc}
+    accuracy.update({e.label: r.scores[0].acc for e, r in zip(chosen, rows[1:], strict=True)})
+    say("lm-eval: " + ", ".join(f"{k} {v:.3f}" for k, v in accuracy.items()))
+    return report.with_lm_eval(accuracy)

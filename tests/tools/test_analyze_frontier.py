@@ -1,0 +1,116 @@
+"""tools/analyze.py --frontier as users run it, on a tiny project export with an attention-free run and full
+blocks: frontier.json's plans, none dominated, the budget's plan.json reproduced from the command line by
+fuse_onnx.py + evaluate.py, a second run served from the cache, and the one-line refusals."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from exporters.onnx_export import export_spec_model
+from exporters.spec import BlockSpec, ModelSpec
+
+FAST = ["--screen-tokens", "48", "--window", "12", "--eval-tokens", "96", "--block-group", "2", "--quiet"]
+KEYS = {"plan", "predicted_speedup", "kl", "ppl", "top1", "on_frontier"}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    """Full blocks 0-2 (parallel candidates), an attention-free run 4-6 after attention block 3, block 7."""
+    blocks = [BlockSpec(True, 48)] * 4 + [BlockSpec(False, 40), BlockSpec(False, 56), BlockSpec(False, 32)]
+    spec = ModelSpec(hidden=32, heads=4, kv_heads=2, vocab=96, tie_embeddings=False,
+                     blocks=[*blocks, BlockSpec(True, 48)])
+    path = tmp_path_factory.mktemp("frontier") / "m.onnx"
+    export_spec_model(spec, path, seed=5)
+    return path
+
+
+@pytest.fixture(scope="module")
+def frontier(tool, model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("fr") / "out"
+    run = tool("analyze", model, "--frontier", "--out", out, "--max-kl", "0.05", "--target-tp", "2", *FAST)
+    assert run.returncode == 0, run.stderr
+    return out, run
+
+
+def test_frontier_lists_measured_plans_none_dominated(frontier):
+    out, run = frontier
+    entries = json.loads((out / "frontier.json").read_text())
+    assert all(set(e) >= KEYS for e in entries)
+    plans = [e["plan"] for e in entries]
+    assert plans[0] == {"groups": [], "norm": "last"}
+    assert any(p["groups"] == [[4, 6]] for p in plans)  # the run fused whole, its final FFN in
+    assert {p["norm"] for p in plans if p["groups"]} == {"last", "fold"}  # one walk per norm mode
+    assert any(p.get("parallel_blocks") for p in plans)  # whole-block moves are on the walks too
+    assert len({json.dumps(p, sort_keys=True) for p in plans}) == len(plans)
+    front = [e for e in entries if e["on_frontier"]]
+    for e in front:
+        assert not any(
+            o["predicted_speedup"] >= e["predicted_speedup"] and o["kl"] <= e["kl"]
+            and (o["predicted_speedup"] > e["predicted_speedup"] or o["kl"] < e["kl"])
+            for o in entries
+        ), e
+    for e in entries:  # off the frontier means beaten on both
+        if not e["on_frontier"]:
+            assert any(o["predicted_speedup"] >= e["predicted_speedup"] and o["kl"] <= e["kl"] for o in front)
+    assert "summing the moves' costs" in run.stdout
+    assert (out / "frontier.png").stat().st_size > 10_000
+    table = (out / "frontier.md").read_text()
+    assert "| plan | groups | norm | all-reduces | steps | pred. speedup |" in table
+
+
+def test_the_budgets_plan_reproduces_from_the_command_line(tool, model, frontier, tmp_path):
+    out, _ = frontier
+    entries = json.loads((out / "frontier.json").read_text())
+    chosen = json.loads((out / "plan.json").read_text())
+    entry = next(e for e in entries if e["plan"] == chosen)
+    fusing = [e for e in entries if e["plan"]["groups"] or e["plan"].get("parallel_blocks")]
+    within = [e for e in fusing if e["on_frontier"] and e["kl"] <= 0.05]
+    assert entry["predicted_speedup"] == max(e["predicted_speedup"] for e in within)
+    fused = tmp_path / "f.onnx"
+    assert tool("fuse_onnx", model, out / "plan.json", "-o", fused).returncode == 0
+    run = tool("evaluate", model, fused, "--max-tokens", "96", "--window", "12", "--json", "--quiet")
+    assert run.returncode == 0, run.stderr
+    pooled = json.loads(run.stdout)["results"][-1]
+    assert pooled["kl"] == pytest.approx(entry["kl"], rel=1e-6, abs=1e-9)
+    assert pooled["ppl_fused"] == pytest.approx(entry["ppl"], rel=1e-6)
+    assert pooled["top1_agreement"] == pytest.approx(entry["top1"])
+
+
+def test_a_second_run_with_another_budget_measures_nothing(tool, model, frontier):
+    out, _ = frontier
+    budget = ["--min-speedup", "1.0001"]
+    run = tool("analyze", model, "--frontier", "--out", out, *budget, "--target-tp", "2", *FAST)
+    assert run.returncode == 0, run.stderr
+    line = next(x for x in run.stdout.splitlines() if x.startswith("plans to measure:"))
+    total, cached = line.split(":")[1].split("(")[0].strip(), line.split("(")[1].split()[0]
+    assert total == cached
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--target", "ultra-253b"], "ultra-253b: the model has 8 blocks"),
+        (["--max-kl", "0"], "no plan stays within --max-kl 0: the smallest KL"),
+        (["--min-speedup", "9"], "no plan reaches --min-speedup 9: the fastest measured plan predicts"),
+        (["--target-tp", "3"], "--tp 3: 4 attention heads do not split over it"),
+    ],
+)
+def test_frontier_user_errors(tool, model, frontier, tmp_path, extra, message):
+    out, _ = frontier
+    run = tool("analyze", model, "--frontier", "--out", out, *FAST, *extra)
+    assert run.returncode == 2 and run.stderr.startswith("error: ") and message in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr
+
+
+def test_nothing_to_fuse_is_refused(tool, tmp_path):
+    full = [BlockSpec(True, 48)] * 3
+    spec = ModelSpec(hidden=32, heads=4, kv_heads=2, vocab=96, tie_embeddings=False, blocks=full)
+    path = tmp_path / "m.onnx"
+    export_spec_model(spec, path, seed=1)
+    out = tmp_path / "o"
+    run = tool("analyze", path, "--frontier", "--out", out, *FAST[:-3], "--block-group", "4", "--quiet")
+    assert run.returncode == 2 and "nothing to fuse" in run.stderr, run.stderr
+    assert not out.exists()
