@@ -114,3 +114,22 @@ def test_nothing_to_fuse_is_refused(tool, tmp_path):
     run = tool("analyze", path, "--frontier", "--out", out, *FAST[:-3], "--block-group", "4", "--quiet")
     assert run.returncode == 2 and "nothing to fuse" in run.stderr, run.stderr
     assert not out.exists()
+
+
+def test_heal_and_cpu_decode_beside_the_frontier(tool, model, frontier):
+    """--heal with a budget heals the chosen plan and measures it on the same text; --bench-tp decodes the
+    frontier's plans over gloo ranks. Both from the cached measurements of the first run."""
+    out, _ = frontier
+    run = tool("analyze", model, "--frontier", "--out", out, "--max-kl", "0.05", "--target-tp", "2", "--heal",
+               "--bench-tp", "2", *FAST)
+    assert run.returncode == 0, run.stderr
+    entries = json.loads((out / "frontier.json").read_text())
+    chosen = json.loads((out / "plan.json").read_text())
+    healed = [e for e in entries if "healed" in e]
+    assert [e["plan"] for e in healed] == [chosen]
+    assert healed[0]["healed"]["kl"] < healed[0]["kl"]  # healing brings the chosen plan closer
+    assert (out / "healed" / f"{healed[0]['label']}.onnx").is_file()
+    front = [e for e in entries if e["on_frontier"] and e["label"] != "original"]
+    ratios = {e["label"]: e.get("cpu_tp_decode_ratio") for e in front}
+    assert ratios and all(r is not None and r > 0 for r in ratios.values()), ratios
+    assert "healed KL" in (out / "frontier.md").read_text() and "CPU TP2 decode" in run.stdout
