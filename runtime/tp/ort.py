@@ -12,6 +12,7 @@ file), run by ONNX Runtime. Between segments the collective runs outside ORT: th
 from __future__ import annotations
 
 import heapq
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,8 @@ from passes.errors import UserError
 from passes.graph_inputs import Signature
 from passes.io.sessions import CPU, open_session
 from passes.shard import COLLECTIVE_OP, rank_onnx_files, read_manifest
+from runtime.ports import free_port
+from runtime.tp.gloo import init_gloo
 
 __all__ = [
     "Collective",
@@ -361,6 +364,33 @@ def run_distributed(directory: str | Path, tokens: np.ndarray, threads: int = 1)
     outputs = program.run(_feeds(program, tokens), torch_collective(world))
     dist.barrier()
     return outputs[program.outputs[0]] if rank == 0 else None
+
+
+def _gloo_worker(rank: int, world: int, port: int, directory: str, tokens: np.ndarray, out: str) -> None:
+    import torch.distributed as dist  # as in torch_collective
+
+    init_gloo(rank, world, port)
+    try:
+        program = RankProgram(rank_onnx_files(directory)[rank], threads=1)
+        outputs = program.run(_feeds(program, tokens), torch_collective(world))
+        if rank == 0:
+            np.save(out, outputs[program.outputs[0]])
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_gloo(directory: str | Path, tokens: np.ndarray) -> np.ndarray:
+    """Every rank of a TP folder in its own process (torch.multiprocessing), all-reducing over gloo on
+    127.0.0.1, as the server's ranks do; rank 0's first output."""
+    import torch.multiprocessing as mp  # torch only where ranks are launched
+
+    world = int(read_manifest(directory)["tp"])
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "logits.npy")
+        args = (world, free_port(), str(directory), tokens, out)
+        mp.spawn(_gloo_worker, args=args, nprocs=world, join=True)
+        return np.load(out)
 
 
 def reference_error(model: str | Path, tokens: np.ndarray, logits: np.ndarray) -> float:
