@@ -6,12 +6,14 @@ removes attention from the six layers whose attention matters least, in two runs
 (tools/prune_attention.py --remove 6 --runs 2: measured importance chooses 5-7 and 25-27), distills each
 pruned layer locally and writes a Nemotron-NAS checkpoint; both folders are cached under
 ~/.cache/ffn-fusion/demo/ after the first run. Then the usual path: export with `export_model.py --hf`,
-analyze block dependencies and propose a plan, fuse and validate, evaluate, heal the fused groups, export
-the KV-cache decode graph, fuse it with the same plan, give it the healed weights (heal.py
+analyze block dependencies and propose a plan, fuse and validate, heal the fused groups (quality before and
+after), export the KV-cache decode graph, fuse it with the same plan, give it the healed weights (heal.py
 --weights-from), and generate with the unpruned, pruned, fused and healed models on the same three
 questions; serve the healed model and ask them over HTTP; and print one quality table of the four models
 (tools/quality.py: lm-eval accuracy through the server, perplexity, KL, top-1). Each step prints the
-command it runs, so the demo doubles as a tutorial. Outputs go to demo_out/ (exports are reused).
+command it runs, so the demo doubles as a tutorial, and its CPU and wall time (a table of all steps at the
+end: on a shared machine the CPU time says what a quiet one takes). Outputs go to demo_out/ (exports are
+reused).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shlex
 import socket
 import subprocess
@@ -26,6 +29,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,12 +44,33 @@ CACHE = Path(os.environ.get("FFN_FUSION_CACHE", Path.home() / ".cache" / "ffn-fu
 PRUNE_ARGS = ("--remove", 6, "--runs", 2, "--eval-tokens", 1024)  # two runs of three, by importance
 
 
+TIMES: list[tuple[str, float, float]] = []  # (step, CPU seconds of its processes, wall seconds)
+
+
+def _cpu() -> float:
+    """User + system CPU seconds of this process and its finished children."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@contextmanager
+def timed(title: str) -> Iterator[None]:
+    """Print and record a step's CPU and wall time: on a shared machine the CPU time is what a quiet one
+    would take (a single-threaded step's wall time is about its CPU time; ONNX Runtime uses 2 threads)."""
+    cpu, wall = _cpu(), time.perf_counter()
+    yield
+    cpu, wall = _cpu() - cpu, time.perf_counter() - wall
+    TIMES.append((title, cpu, wall))
+    print(f"(step time: {cpu:.0f} s CPU, {wall:.0f} s wall)", flush=True)
+
+
 def step(title: str, tool: str, *args: object) -> None:
     command = [sys.executable, str(ROOT / "tools" / f"{tool}.py"), *map(str, args)]
     shown = " ".join(shlex.quote(str(a)) for a in [f"tools/{tool}.py", *args])
     print(f"\n== {title}\n$ python {shown}", flush=True)
-    if subprocess.run(command, cwd=ROOT).returncode != 0:
-        raise SystemExit(f"error: step '{title}' failed")
+    with timed(title):
+        if subprocess.run(command, cwd=ROOT).returncode != 0:
+            raise SystemExit(f"error: step '{title}' failed")
 
 
 SAVE_FOLDER = "import sys; from exporters.hf.folder import save_smollm2 as s; s(sys.argv[1])"
@@ -57,8 +83,9 @@ def save_folder_once(folder: Path) -> None:
         print(f"\n== {title}\n(reusing {folder})")
         return
     print(f"\n== {title}\n$ python -c {shlex.quote(SAVE_FOLDER)} {folder}", flush=True)
-    if subprocess.run([sys.executable, "-c", SAVE_FOLDER, str(folder)], cwd=ROOT).returncode != 0:
-        raise SystemExit("error: saving the Hugging Face folder failed")
+    with timed(title):
+        if subprocess.run([sys.executable, "-c", SAVE_FOLDER, str(folder)], cwd=ROOT).returncode != 0:
+            raise SystemExit("error: saving the Hugging Face folder failed")
 
 
 def prune_once(folder: Path, pruned: Path, plot: Path) -> list[int]:
@@ -96,6 +123,11 @@ def serve_and_ask(title: str, model: Path, max_tokens: int = 24) -> None:
     args = [model, "--model-name", "healed", "--port", port, "--log-level", "warning"]
     shown = " ".join(shlex.quote(str(a)) for a in ["tools/serve.py", *args])
     print(f"\n== {title}\n$ python {shown} &", flush=True)
+    with timed(title):
+        _serve_and_ask(title, model, port, args, max_tokens)
+
+
+def _serve_and_ask(title: str, model: Path, port: int, args: list, max_tokens: int) -> None:
     process = subprocess.Popen([sys.executable, str(ROOT / "tools" / "serve.py"), *map(str, args)], cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -170,7 +202,8 @@ def main() -> None:
         "-o",
         fused,
     )
-    step("Quality on held-out text: pruned against fused", "evaluate", model, fused, "--max-tokens", 1024)
+    # No separate evaluate.py step: heal.py prints the same comparison (pruned against fused, 1024 held-out
+    # tokens per set) before and after healing.
     step(
         "Heal the fused groups (blockwise local distillation, docs/heal.md): quality before and after",
         "heal",
@@ -219,6 +252,15 @@ def main() -> None:
     )
     print(f"\nattention removed from layers {removed}; plan applied: {json.loads(plan.read_text())}; "
           f"outputs in {out}/")
+    print_times()
+
+
+def print_times() -> None:
+    """The per-step times (the steps a cached run reused are absent)."""
+    print("\n| step | CPU s | wall s |\n| --- | --- | --- |")
+    for title, cpu, wall in TIMES:
+        print(f"| {title[:70]} | {cpu:.0f} | {wall:.0f} |")
+    print(f"| total | {sum(t[1] for t in TIMES):.0f} | {sum(t[2] for t in TIMES):.0f} |")
 
 
 if __name__ == "__main__":

@@ -29,10 +29,16 @@ class Run:
 
 
 def kl_per_position(reference: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    """KL(softmax(reference) || softmax(logits)) summed over positions, float64."""
-    a = torch.log_softmax(reference.double(), -1)
-    b = torch.log_softmax(logits.double(), -1)
-    return (a.exp() * (a - b)).sum()
+    """KL(softmax(reference) || softmax(logits)) summed over positions (float64 sum)."""
+    return kl_from(torch.log_softmax(reference.float(), -1), logits)
+
+
+def kl_from(reference_logp: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """kl_per_position with the reference's log-probabilities given (computed once for many variants).
+    Each position's KL in float32, their sum in float64: 5x cheaper than float64 throughout (3 s -> 0.6 s
+    CPU for 1024 positions of a 49152-token vocabulary) and equal to 1e-5 relative."""
+    logp = torch.log_softmax(logits.float(), -1)
+    return (reference_logp.exp() * (reference_logp - logp)).sum(-1).double().sum()
 
 
 @torch.no_grad()
@@ -50,12 +56,12 @@ def attention_importance(
         for i in range(model.n_layers):
             entering.append(x)
             x = model.run_layer(i, x)
-        reference = model.logits(x)
+        reference = torch.log_softmax(model.logits(x), -1)
         for i in layers:
             y = entering[i] + model.ffn(i, entering[i])
             for k in range(i + 1, model.n_layers):
                 y = model.run_layer(k, y)
-            sums[i] += float(kl_per_position(reference, model.logits(y)))
+            sums[i] += float(kl_from(reference, model.logits(y)))
         positions += ids.numel()
         log(f"importance: {min(start + batch, len(windows))}/{len(windows)} windows")
     return {i: s / positions for i, s in sums.items()}

@@ -82,6 +82,18 @@ def task_accuracy(models: dict[str, PruneModel], vocab: int, items: int) -> dict
         context = encode(row["context"])
         choices = [encode(row["context"] + " " + c)[len(context):] for c in row["choices"]]
         prepared.append((context, choices, row["label"]))
+    # One torch thread: the items are tiny tensors, where a second thread only adds synchronization, and on a
+    # loaded machine its spin-waits cost 8-10x the CPU (measured, 20 items: 60-78 s CPU with 2 threads, 7.5
+    # s with 1; journal/2026-12-06-demo-times.md).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _score_items(models, prepared)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _score_items(models: dict[str, PruneModel], prepared: list) -> dict[str, float]:
     scores = {}
     for name, model in models.items():
         correct = 0
