@@ -4,7 +4,8 @@
    of full blocks for a parallel group (paper section 6).
 2. Each move's cost measured alone on calibration tokens (screen.py: KL of the final logits).
 3. Greedy walks, one per norm mode (moves.py), by predicted speedup (target.py, the latency model) gained
-   per unit of summed cost; with a paper target, the paper's own plans join them.
+   per unit of summed cost; with --max-kl one more per mode within it; with a paper target, the paper's
+   own plans join them.
 4. Every plan of the walks fused and measured whole on held-out text (measure.py, cached), beside its
    whole-plan calibration cost, to show where summing the moves' costs was wrong.
 5. The plans no other plan beats on both speed and KL form the frontier; a budget (--max-kl or
@@ -128,17 +129,23 @@ def run_frontier(
     plans: dict[str, tuple[Plan, str, float]] = {}  # plan json -> (plan, label, summed cost)
     plans[Plan(()).to_json()] = (Plan(()), "original", 0.0)
     norms = [n for n in NORM_MODES if any(m.norm == n for m in moves)] or ["last"]
+    budgets = [None] if options.max_kl is None else [None, options.max_kl]
     for norm in norms:
-        for k, step in enumerate(walk(moves, norm, cost, target.speedup, options.max_steps), 1):
-            plans.setdefault(step.plan.to_json(), (step.plan, f"{norm[0]}{k}", step.summed_cost))
+        for budget in budgets:
+            steps = walk(moves, norm, cost, target.speedup, options.max_steps, budget)
+            for k, step in enumerate(steps, 1):
+                label = f"{norm[0]}{k}" + ("" if budget is None else "b")  # "b": the budget's walk
+                plans.setdefault(step.plan.to_json(), (step.plan, label, step.summed_cost))
     if target.paper is not None:
         for label, plan in _paper_plans(target.paper, blocks).items():
             plans.setdefault(plan.to_json(), (plan, label, _summed(plan, costs)))
 
+    for plan, _, _ in plans.values():  # each whole plan on the calibration tokens, beside its summed moves
+        costs(plan)
+    costs.close()  # the screener's sessions hold the original's weights: released before measuring
     # evaluate.py's default held-out text, so that `evaluate.py --max-tokens N --window W` reproduces a row.
     texts = evaluation_sets(vocab, options.window, options.eval_tokens)
     entries = _measure_all(model, out, plans, texts, costs, target, cache, progress, say, log)
-    costs.close()
     flags = dominated([(e.predicted_speedup, e.quality.kl) for e in entries])
     entries = [e.with_frontier(not d) for e, d in zip(entries, flags, strict=True)]
     report = FrontierReport(str(model), target.describe(), where, texts_info(texts), entries,

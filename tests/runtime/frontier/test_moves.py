@@ -73,3 +73,14 @@ def test_a_budget_no_plan_meets_names_the_best_achievable():
         report(max_kl=0.01).choose()
     with pytest.raises(UserError, match=r"fastest measured plan predicts 1.3x \(c "):
         report(min_speedup=2.0).choose()
+
+
+def test_a_budgets_walk_keeps_the_summed_cost_within_it():
+    """The ratio walk may take a large move first; the budget's walk finds the plans below it."""
+    moves = [Move("parallel", (0, 3)), Move("ffn", (10, 11), "last"), Move("ffn", (12, 13), "last")]
+    costs = {moves[0]: 0.05, moves[1]: 0.04, moves[2]: 0.05}
+    free = walk(moves, "last", costs.__getitem__, speedup_by_steps)
+    assert free[0].plan.parallel == ((0, 3),)  # 3 steps for 0.05: the best ratio
+    within = walk(moves, "last", costs.__getitem__, speedup_by_steps, max_cost=0.045)
+    assert [s.plan for s in within] == [Plan(((10, 11),), "last")]
+    assert all(s.summed_cost <= 0.045 for s in within)
