@@ -152,8 +152,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     frontier.add_argument("--lm-eval", action="store_true",
                           help="also score the original and the frontier's plans with lm-eval (license_mc, "
                           "through the server; slow)")
+    frontier.add_argument("--lm-eval-items", type=int, default=100, metavar="N",
+                          help="license_mc items for --lm-eval (default 100)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
-    return parse(parser, argv, "num_tokens", "window", "heal_tokens", "screen_tokens")
+    return parse(parser, argv, "num_tokens", "window", "heal_tokens", "screen_tokens", "lm_eval_items")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             heal=("chosen" if args.max_kl is not None or args.min_speedup is not None else "frontier")
             if args.heal else None,
             lm_eval=args.lm_eval,
+            lm_eval_items=args.lm_eval_items,
             bench_tp=args.bench_tp,
         )
         run_frontier(args.model, args.out, options, progress=not args.quiet)

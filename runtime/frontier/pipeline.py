@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import shutil
 import sys
 import tempfile
 import time
@@ -24,6 +25,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from exporters.hf.checkpoint import SIDE_FILES
 from passes.errors import UserError
 from passes.io.model_io import load_model
 from passes.model_map import find_blocks, vocab_size
@@ -253,14 +255,14 @@ def _lm_eval(model, out, report, options, say, log) -> FrontierReport:
     plan."""
     from runtime.quality import quality  # starts servers; only --lm-eval needs it
 
-    chosen = [e for e in report.entries if e.on_frontier and (e.plan.groups or e.plan.parallel)]
+    chosen = [e for e in report.entries if e.on_frontier and e.fuses]
     with tempfile.TemporaryDirectory(dir=out, prefix=".lm-eval.") as tmp:
-        variants = []
-        for entry in chosen:
-            path = Path(tmp) / entry.label / "model.onnx"
-            path.parent.mkdir()
+        for name in SIDE_FILES:  # the server reads the tokenizer and generation files beside each model
+            if (model.parent / name).is_file():
+                shutil.copy(model.parent / name, Path(tmp) / name)
+        variants = [Path(tmp) / f"{e.label}.onnx" for e in chosen]  # lm-eval's names: the labels
+        for entry, path in zip(chosen, variants, strict=True):
             fuse_file(model, entry.plan, path, validate_output=True)
-            variants.append(path)
         rows = quality(model, variants, out / "lm_eval", items=options.lm_eval_items, log=log)
     accuracy = {"original": rows[0].scores[0].acc}
     accuracy.update({e.label: r.scores[0].acc for e, r in zip(chosen, rows[1:], strict=True)})

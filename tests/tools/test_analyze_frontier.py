@@ -133,3 +133,22 @@ def test_heal_and_cpu_decode_beside_the_frontier(tool, model, frontier):
     ratios = {e["label"]: e.get("cpu_tp_decode_ratio") for e in front}
     assert ratios and all(r is not None and r > 0 for r in ratios.values()), ratios
     assert "healed KL" in (out / "frontier.md").read_text() and "CPU TP2 decode" in run.stdout
+
+
+@pytest.mark.slow
+def test_lm_eval_scores_the_frontier_through_the_server(tool, tmp_path):
+    """--lm-eval: the original and each fusing frontier plan served (with the tokenizer beside the model) and
+    scored by the real lm_eval on license_mc; the accuracy lands in frontier.json and the table."""
+    from tests import serve_fixtures as sf
+
+    model = sf.tiny_folder(tmp_path) / "model.onnx"
+    out = tmp_path / "fr"
+    run = tool("analyze", model, "--frontier", "--out", out, "--lm-eval", "--lm-eval-items", "20",
+               "--block-group", "0", "--max-steps", "1", "--target-tp", "2", *FAST[:6], "--quiet")
+    assert run.returncode == 0, run.stderr
+    entries = json.loads((out / "frontier.json").read_text())
+    scored = {e["label"]: e["lm_eval_acc"] for e in entries if "lm_eval_acc" in e}
+    front = {e["label"] for e in entries if e["on_frontier"]}
+    assert set(scored) == front and "original" in scored
+    assert all(0 <= acc <= 1 for acc in scored.values())
+    assert "lm-eval acc" in (out / "frontier.md").read_text()
