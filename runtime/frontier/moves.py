@@ -9,7 +9,9 @@ A walk starts from the original and adds, one move at a time, the move with the 
 speedup gained per unit of quality lost, the loss estimated as the SUM of the moves' own measured costs
 (each measured alone: screen.py). A move may swallow FFN groups it contains (growing [13, 16] into
 [13, 19]); anything else overlapping is not allowed. One walk per norm mode (a plan has one norm
-mode); with a KL budget, one more per mode that takes only moves keeping the summed cost within it.
+mode), and beside it one that takes the cheapest move each time while the summed cost stays below the
+ratio walk's first plan (a first move with a large gain must not leave the low-KL end empty); with a KL
+budget, one more per mode that takes only moves keeping the summed cost within it.
 Every plan on a walk is then fused and measured whole (measure.py), because costs do not add up exactly.
 """
 
@@ -98,11 +100,13 @@ def walk(
     speedup: Callable[[Plan], float],
     max_steps: int | None = None,
     max_cost: float | None = None,
+    cheapest: bool = False,
 ) -> list[Step]:
     """The greedy walk for one norm mode: FFN moves of `norm` and every parallel move; each step adds the
     move with the largest (speedup gained) / (summed cost added), swallowing the FFN groups it contains.
     With `max_cost`, only moves that keep the summed cost within it (a budget's walk: one large move taken
-    early must not jump over the plans a small budget allows)."""
+    early must not jump over the plans a small budget allows). `cheapest`: the move adding the least cost
+    instead (the walk that fills the low-KL end below the ratio walk's first plan)."""
     usable = [m for m in moves if m.kind == "parallel" or m.norm == norm]
     state: tuple[Move, ...] = ()
     current, spent = speedup(plan_of(state, norm)), 0.0
@@ -122,7 +126,7 @@ def walk(
             added = cost(move) - sum(cost(m) for m in inside)
             if max_cost is not None and spent + added > max_cost:
                 continue
-            ratio = gained / max(added, MIN_COST)
+            ratio = -added if cheapest else gained / max(added, MIN_COST)
             if best is None or (ratio, -added) > (best[0], -best[2]):
                 best = (ratio, after, added, gained)
         if best is None:

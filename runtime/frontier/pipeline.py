@@ -131,13 +131,16 @@ def run_frontier(
     plans: dict[str, tuple[Plan, str, float]] = {}  # plan json -> (plan, label, summed cost)
     plans[Plan(()).to_json()] = (Plan(()), "original", 0.0)
     norms = [n for n in NORM_MODES if any(m.norm == n for m in moves)] or ["last"]
-    budgets = [None] if options.max_kl is None else [None, options.max_kl]
     for norm in norms:
-        for budget in budgets:
-            steps = walk(moves, norm, cost, target.speedup, options.max_steps, budget)
+        ratio = walk(moves, norm, cost, target.speedup, options.max_steps)
+        below = ratio[0].summed_cost * (1 - 1e-9) if ratio else None
+        cheap = walk(moves, norm, cost, target.speedup, options.max_steps, below, cheapest=True)
+        walks = {"": ratio, "c": cheap}
+        if options.max_kl is not None:
+            walks["b"] = walk(moves, norm, cost, target.speedup, options.max_steps, options.max_kl)
+        for suffix, steps in walks.items():  # "c": the cheapest-first walk, "b": the budget's walk
             for k, step in enumerate(steps, 1):
-                label = f"{norm[0]}{k}" + ("" if budget is None else "b")  # "b": the budget's walk
-                plans.setdefault(step.plan.to_json(), (step.plan, label, step.summed_cost))
+                plans.setdefault(step.plan.to_json(), (step.plan, f"{norm[0]}{k}{suffix}", step.summed_cost))
     if target.paper is not None:
         for label, plan in _paper_plans(target.paper, blocks).items():
             plans.setdefault(plan.to_json(), (plan, label, _summed(plan, costs)))

@@ -84,3 +84,12 @@ def test_a_budgets_walk_keeps_the_summed_cost_within_it():
     within = walk(moves, "last", costs.__getitem__, speedup_by_steps, max_cost=0.045)
     assert [s.plan for s in within] == [Plan(((10, 11),), "last")]
     assert all(s.summed_cost <= 0.045 for s in within)
+
+
+def test_the_cheapest_walk_fills_the_low_kl_end():
+    moves = [Move("parallel", (0, 3)), Move("ffn", (10, 11), "last"), Move("ffn", (12, 13), "last")]
+    costs = {moves[0]: 0.05, moves[1]: 0.03, moves[2]: 0.025}  # per step saved: 0.017, 0.03, 0.025
+    first = walk(moves, "last", costs.__getitem__, speedup_by_steps)[0]
+    assert first.plan == Plan((), "last", ((0, 3),))
+    low = walk(moves, "last", costs.__getitem__, speedup_by_steps, first.summed_cost * 0.999, cheapest=True)
+    assert [s.plan for s in low] == [Plan(((12, 13),), "last")]  # + [10, 11] would cost 0.055
