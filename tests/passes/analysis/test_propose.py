@@ -164,8 +164,8 @@ def test_choose_norm_streams_large_models(model, tmp_path, monkeypatch):
     whole = choose_norm(model, [(1, 3)], tokens, tmp_path)
     streamed_runs = []
     monkeypatch.setattr(runner, "STREAMING_BYTES", 0)
-    tail = _recorded(runner.BlockRunner._run_tail, streamed_runs)
-    monkeypatch.setattr(runner.BlockRunner, "_run_tail", tail)
+    tail = _recorded(runner.BlockRunner.run_tail, streamed_runs)
+    monkeypatch.setattr(runner.BlockRunner, "run_tail", tail)
     streamed = choose_norm(model, [(1, 3)], tokens, tmp_path)
     assert len(streamed_runs) == 3  # the original and the two fused models
     for mode in ("last", "fold"):
