@@ -9,7 +9,7 @@ For each set of fixed-length token windows, both models run on the same batches 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -140,12 +140,22 @@ def evaluate(
 ) -> list[QualityResult]:
     """One result per text set, plus "all" (pooled over all positions) when there are several."""
     evaluator = Evaluator(original, fused)
+
+    def each() -> Iterator[tuple[str, _Sums]]:
+        for text in texts:
+            files = ", ".join(text.files)
+            log(f"{text.name}: {text.tokens} tokens in {len(text.windows)} windows from {files}")
+            yield text.name, evaluator.sums(text, batch, progress)
+
+    return _per_set_and_pooled(each())
+
+
+def _per_set_and_pooled(sums: Iterable[tuple[str, _Sums]]) -> list[QualityResult]:
+    """One result per text set, plus "all" (pooled over all positions) when there are several."""
     results, pooled = [], _Sums()
-    for text in texts:
-        log(f"{text.name}: {text.tokens} tokens in {len(text.windows)} windows from {', '.join(text.files)}")
-        sums = evaluator.sums(text, batch, progress)
-        results.append(sums.result(text.name))
-        pooled.merge(sums)
+    for name, one in sums:
+        results.append(one.result(name))
+        pooled.merge(one)
     if len(results) > 1:
         results.append(pooled.result("all"))
     return results
@@ -200,20 +210,19 @@ class ReferenceRun:
     def compare(self, variant: str | Path, progress: bool = True) -> list[QualityResult]:
         """One result per text set, plus "all" (pooled) when there are several, as `evaluate` gives."""
         model = ModelRun(variant)
-        results, pooled = [], _Sums()
-        for text, file in zip(self.texts, self.files, strict=True):
-            sums = _Sums()
-            reference = np.load(file, mmap_mode="r") if text.windows.size else None
-            step = model.signature.batch_size(self.batch)
-            for start in tqdm(range(0, len(text.windows), step), desc=f"evaluate {text.name}",
-                              disable=not progress, leave=False):
-                ids = text.windows[start : start + step]
-                sums.add(ids, np.asarray(reference[start : start + len(ids)]), model.logits(ids))
-            results.append(sums.result(text.name))
-            pooled.merge(sums)
-        if len(results) > 1:
-            results.append(pooled.result("all"))
-        return results
+
+        def each() -> Iterator[tuple[str, _Sums]]:
+            for text, file in zip(self.texts, self.files, strict=True):
+                sums = _Sums()
+                reference = np.load(file, mmap_mode="r") if text.windows.size else None
+                step = model.signature.batch_size(self.batch)
+                for start in tqdm(range(0, len(text.windows), step), desc=f"evaluate {text.name}",
+                                  disable=not progress, leave=False):
+                    ids = text.windows[start : start + step]
+                    sums.add(ids, np.asarray(reference[start : start + len(ids)]), model.logits(ids))
+                yield text.name, sums
+
+        return _per_set_and_pooled(each())
 
 
 class ModelRun:

@@ -78,21 +78,24 @@ class PlanMeasurer:
         data = json.loads(file.read_text())
         return Quality(**data["quality"]) if data.get("plan") == json.loads(plan.to_json()) else None
 
-    def measure(self, plan: Plan, keep: Path | None = None) -> Quality:
-        """The plan's quality (from the cache when there); with `keep`, the fused model is written there
-        (and measured even when cached, so that it exists)."""
+    def fuse(self, plan: Plan, path: Path) -> Path:
+        """The plan's fused model written to `path`, validated as every fusion is."""
+        fuse_file(self.model, plan, path, validate_output=True)
+        return path
+
+    def measure(self, plan: Plan) -> Quality:
+        """The plan's quality: from the cache when there, else fused into the work folder, measured and
+        removed."""
         found = self.cached(plan)
-        if found is not None and keep is None:
+        if found is not None:
             return found
         start = time.perf_counter()
-        path = keep or self.workdir / "variant.onnx"
-        fuse_file(self.model, plan, path, validate_output=True)
+        path = self.fuse(plan, self.workdir / "variant.onnx")
         try:
             quality = Quality.of(self.reference.compare(path, self.progress)[-1], time.perf_counter() - start)
         finally:
-            if keep is None:
-                for p in path.parent.glob(path.name + "*"):
-                    p.unlink()
+            for p in path.parent.glob(path.name + "*"):
+                p.unlink()
         file = self.folder / "plans" / f"{plan_key(plan)}.json"
         file.parent.mkdir(parents=True, exist_ok=True)
         file.write_text(json.dumps({"plan": json.loads(plan.to_json()), "quality": asdict(quality)}) + "\n")

@@ -245,7 +245,7 @@ def _heal(model, out, report, chosen, options, texts, cache, say, log) -> Fronti
     with tempfile.TemporaryDirectory(dir=out, prefix=".heal.") as tmp:
         for entry in which:
             fused = Path(tmp) / f"{entry.label}.onnx"
-            measurer.measure(entry.plan, keep=fused)
+            measurer.fuse(entry.plan, fused)  # measured already; the healing needs the file
             target = out / "healed" / f"{entry.label}.onnx"
             say(f"healing {entry.label} {entry.plan.to_json()} -> {target}")
             run_heal(model, fused, target, eval_tokens=0, log=log)
