@@ -39,6 +39,11 @@ class QualityResult:
         return asdict(self)
 
 
+# Positions per float64 temporary: 32 x 49152 x 8 B = 12 MB, reused by the allocator (a whole batch's float64
+# log-probabilities were hundreds of MB of fresh pages each time: a third of the frontier's CPU).
+ROWS = 32
+
+
 class _Sums:
     """Running sums over positions, so that memory stays at one batch of logits."""
 
@@ -51,19 +56,26 @@ class _Sums:
         self.cos = 0.0
 
     def add(self, ids: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
-        la, lb = log_softmax(a), log_softmax(b)
-        if ids.shape[-1] > 1:
-            targets = ids[..., 1:, None]
-            for k, lp in enumerate((la, lb)):
-                self.nll[k] -= np.take_along_axis(lp[..., :-1, :], targets, axis=-1).sum()
-            self.predicted += targets.size
+        """One batch: token ids [..., T], both models' logits [..., T, V]; float64, a few rows at a time."""
+        vocab = a.shape[-1]
+        following = np.full(ids.shape, -1, dtype=np.int64)  # the next token within the window; -1 at its end
+        following[..., :-1] = ids[..., 1:]
+        following = following.reshape(-1)
+        a, b = a.reshape(-1, vocab), b.reshape(-1, vocab)
+        for start in range(0, len(a), ROWS):
+            rows = slice(start, start + ROWS)
+            a64, b64 = a[rows].astype(np.float64), b[rows].astype(np.float64)
+            (la, pa), lb = log_softmax_and_probs(a64), log_softmax(b64)
+            scored = np.nonzero(following[rows] >= 0)[0]
+            targets = following[rows][scored]
+            self.nll -= la[scored, targets].sum(), lb[scored, targets].sum()
+            self.predicted += len(scored)
+            self.agree += int((a64.argmax(-1) == b64.argmax(-1)).sum())
+            self.kl += float((pa * (la - lb)).sum())
+            dots = np.einsum("pv,pv->p", a64, b64)
+            norms = np.linalg.norm(a64, axis=-1) * np.linalg.norm(b64, axis=-1)
+            self.cos += float((dots / np.maximum(norms, 1e-300)).sum())
         self.positions += ids.size
-        self.agree += int((a.argmax(-1) == b.argmax(-1)).sum())
-        self.kl += float((np.exp(la) * (la - lb)).sum())
-        a64, b64 = a.astype(np.float64), b.astype(np.float64)
-        dots = np.einsum("...v,...v->...", a64, b64)
-        norms = np.linalg.norm(a64, axis=-1) * np.linalg.norm(b64, axis=-1)
-        self.cos += float((dots / np.maximum(norms, 1e-300)).sum())
 
     def merge(self, other: _Sums) -> None:
         self.nll += other.nll
@@ -79,9 +91,29 @@ class _Sums:
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
+    return log_softmax_and_probs(logits)[0]
+
+
+def kl_total(reference: np.ndarray, variant: np.ndarray) -> float:
+    """The sum over positions of KL(softmax(reference) || softmax(variant)), logits [..., V], float64 in
+    blocks of ROWS positions."""
+    reference, variant = reference.reshape(-1, reference.shape[-1]), variant.reshape(-1, variant.shape[-1])
+    total = 0.0
+    for start in range(0, len(reference), ROWS):
+        lr, pr = log_softmax_and_probs(reference[start : start + ROWS])
+        total += float((pr * (lr - log_softmax(variant[start : start + ROWS]))).sum())
+    return total
+
+
+def log_softmax_and_probs(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float64 log-probabilities over the last axis, and the probabilities (one exp for both)."""
     x = logits.astype(np.float64)
     x -= x.max(axis=-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+    e = np.exp(x)
+    total = e.sum(axis=-1, keepdims=True)
+    x -= np.log(total)
+    e /= total
+    return x, e
 
 
 class Evaluator:
@@ -183,14 +215,14 @@ class ReferenceRun:
 
     def __init__(
         self, original: str | Path, texts: Sequence[TextSet], folder: Path, batch: int = 4,
-        progress: bool = True,
+        progress: bool = True, threads: int = 0,
     ):
-        self.texts, self.batch = list(texts), batch
+        self.texts, self.batch, self.threads = list(texts), batch, threads
         folder.mkdir(parents=True, exist_ok=True)
         self.files = [folder / f"{k}-{t.name}.logits.npy" for k, t in enumerate(self.texts)]
         if all(f.exists() for f in self.files):
             return
-        evaluator = ModelRun(original)
+        evaluator = ModelRun(original, threads)
         for text, file in zip(self.texts, self.files, strict=True):
             partial = file.with_suffix(".partial.npy")
             out = None
@@ -209,7 +241,7 @@ class ReferenceRun:
 
     def compare(self, variant: str | Path, progress: bool = True) -> list[QualityResult]:
         """One result per text set, plus "all" (pooled) when there are several, as `evaluate` gives."""
-        model = ModelRun(variant)
+        model = ModelRun(variant, self.threads)
 
         def each() -> Iterator[tuple[str, _Sums]]:
             for text, file in zip(self.texts, self.files, strict=True):
@@ -226,12 +258,12 @@ class ReferenceRun:
 
 
 class ModelRun:
-    """One model's ORT session and input signature."""
+    """One model's ORT session (`threads` 0: ONNX Runtime's default) and input signature."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, threads: int = 0):
         path = Path(path)
         proto = load_proto(path)
-        self.session = session(proto, path.parent)
+        self.session = session(proto, path.parent, threads)
         self.signature = Signature.of(proto)
 
     def logits(self, ids: np.ndarray) -> np.ndarray:

@@ -12,7 +12,7 @@ from pathlib import Path
 from passes.cli import add_options, tool_parser
 from passes.errors import UserError, run_cli
 from runtime.prune.checkpoint import DTYPES
-from runtime.prune.pipeline import PruneOptions, prune_checkpoint, run_frontier, show_importance
+from runtime.prune.pipeline import PruneOptions, prune_checkpoint, run_tradeoff, show_importance
 from runtime.prune.selection import format_layers, parse_layers
 
 EPILOG = """\
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.output is not None or any(v is not None for v in (layers, args.remove, args.max_kl)):
             raise UserError("--frontier measures only: no -o, --layers, --remove or --max-kl with it")
         counts = parse_layers(args.frontier)
-        run_frontier(args.checkpoint, counts, args.plot, opts, log)
+        run_tradeoff(args.checkpoint, counts, args.plot, opts, log)
         return 0
     choosing = any(v is not None for v in (args.layers, args.remove, args.max_kl))
     if not choosing:

@@ -17,7 +17,7 @@ import numpy as np
 from passes.plan import Plan
 from passes.reference import parallel_blocks_sum, parallel_sum
 from passes.run.block_runner import BlockRunner
-from runtime.evaluate import log_softmax
+from runtime.evaluate import kl_total
 from runtime.frontier.measure import model_key
 
 
@@ -30,7 +30,7 @@ class Screener:
         self.blocks = self.runner.blocks
         outputs = self.runner.capture(tokens, extra=self.runner.tail_inputs())
         self.inputs = [outputs[c.input_name] for c in self.runner.cuts]  # the stream entering each block
-        self.reference = log_softmax(self.runner.logits).astype(np.float32)
+        self.reference = self.runner.logits
         self.positions = int(np.prod(tokens.shape))
         self.runs = 0
 
@@ -53,9 +53,7 @@ class Screener:
             else:
                 y = parallel_blocks_sum(x, [self.runner.run_branches(m, x) for m in range(k, j + 1)])
             x, k = y.astype(x.dtype), j + 1
-        variant = log_softmax(self.runner.run_tail(x))
-        reference = self.reference.astype(np.float64)
-        return float((np.exp(reference) * (reference - variant)).sum() / self.positions)
+        return kl_total(self.reference, self.runner.run_tail(x)) / self.positions
 
     def close(self) -> None:
         self.runner.close()

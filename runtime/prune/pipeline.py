@@ -17,11 +17,11 @@ import torch
 from passes.errors import UserError
 from runtime.prune.checkpoint import DTYPES, check_output, write_checkpoint
 from runtime.prune.distill import LayerFit, distill_local, end_to_end
-from runtime.prune.frontier import FrontierPoint, format_frontier, frontier, plot_frontier
 from runtime.prune.importance import attention_importance, cheapest_runs, format_importance, plot_importance
 from runtime.prune.model import PruneModel, load_checkpoint
 from runtime.prune.report import QualityRow, format_report, rows_record, score
 from runtime.prune.selection import check_layers, choose, format_layers, within_budget
+from runtime.prune.tradeoff import TradeoffPoint, format_tradeoff, measure_tradeoff, plot_tradeoff
 from runtime.text_sets import TextSet, calibration_windows, evaluation_sets, is_token_file
 
 Log = Callable[[str], None]
@@ -136,8 +136,8 @@ def show_importance(source: Path, plot: Path | None, options: PruneOptions, log:
     return importance
 
 
-def run_frontier(source: Path, counts: list[int], plot: Path | None, options: PruneOptions,
-                 log: Log) -> list[FrontierPoint]:
+def run_tradeoff(source: Path, counts: list[int], plot: Path | None, options: PruneOptions,
+                 log: Log) -> list[TradeoffPoint]:
     """Layers removed against held-out perplexity, surgery and distilled (--frontier)."""
     if not counts or min(counts) < 1:
         raise UserError("--frontier takes counts >= 1, e.g. 2,4,6,8")
@@ -148,10 +148,10 @@ def run_frontier(source: Path, counts: list[int], plot: Path | None, options: Pr
     calib, _ = _calibration(model, options, options.tokens)
     held_out = _held_out(model, options)
     importance = measure_importance(model, options, log)
-    points = frontier(model, importance, counts, options.runs, calib, held_out, options.ridge, log)
-    log(format_frontier(points))
+    points = measure_tradeoff(model, importance, counts, options.runs, calib, held_out, options.ridge, log)
+    log(format_tradeoff(points))
     if plot is not None:
-        plot_frontier(points, plot, f"attention pruning frontier, {source.name}")
+        plot_tradeoff(points, plot, f"attention pruning frontier, {source.name}")
         log(f"wrote {plot}")
     return points
 

@@ -15,8 +15,9 @@ from exporters.synthetic import SyntheticSpec, build_synthetic
 from passes.errors import UserError
 from passes.pipeline import fuse_file
 from passes.plan import Plan
+from runtime import evaluate as evaluate_module
 from runtime import text_sets as text
-from runtime.evaluate import evaluate, format_table
+from runtime.evaluate import evaluate, format_table, kl_total
 from runtime.text_sets import TextSet, windows
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,7 +58,9 @@ def test_model_against_itself(models):
     assert result.tokens == 48
 
 
-def test_metrics_match_numpy(models):
+@pytest.mark.parametrize("rows", [32, 5])  # 5: blocks of positions that cross windows' ends
+def test_metrics_match_numpy(models, monkeypatch, rows):
+    monkeypatch.setattr(evaluate_module, "ROWS", rows)
     original, fused = models
     data = _set(n=5, length=12, seed=3)
     (result,) = evaluate(original, fused, [data], batch=2, progress=False)  # batches of 2, 2, 1
@@ -74,6 +77,7 @@ def test_metrics_match_numpy(models):
     cos = (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
     assert result.logits_cosine == pytest.approx(cos.mean(), rel=1e-9)
     assert result.ppl_fused != result.ppl_original
+    assert kl_total(a, b) == pytest.approx(kl * a.shape[0] * a.shape[1], rel=1e-9)  # the frontier's screen
 
 
 def test_pooled_row_equals_one_set(models):

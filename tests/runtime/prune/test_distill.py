@@ -11,6 +11,7 @@ from runtime.prune.distill import distill_local, end_to_end
 from runtime.prune.importance import attention_importance, cheapest_runs, kl_per_position
 from runtime.prune.model import load_checkpoint
 from runtime.prune.report import format_report, score
+from runtime.prune.tradeoff import format_tradeoff, measure_tradeoff, plot_tradeoff
 from runtime.text_sets import TextSet
 from tests.runtime.prune.fixtures import VOCAB, write_tiny_llama
 
@@ -61,3 +62,17 @@ def test_linear_replacement_and_end_to_end(model) -> None:
     losses = end_to_end(model, linear, LAYERS, windows(0), steps=12, lr=1e-3, batch=4)
     assert len(losses) == 12 and np.mean(losses[-3:]) < losses[0]
     assert not any(p.requires_grad for p in linear.net.parameters())
+
+
+def test_tradeoff_points(model, tmp_path) -> None:
+    """prune_attention.py --frontier: one point per count, each the importance's choice, surgery and refit
+    scored on the same held-out text against the same unpruned perplexity."""
+    importance = attention_importance(model, windows(5, rows=2, seq=32), batch=2)
+    held = [TextSet("held", windows(9, 4), ())]
+    points = measure_tradeoff(model, importance, [1, 2], None, windows(0), held, ridge=0.1)
+    assert [p.removed for p in points] == [1, 2] and len({p.unpruned for p in points}) == 1
+    cheapest = min(importance, key=importance.get)
+    assert points[0].layers == str(cheapest) and all(p.distilled != p.surgery for p in points)
+    assert format_tradeoff(points).count("\n| ") == 4  # the header, its separator, one row per point
+    plot_tradeoff(points, tmp_path / "t.png", "tiny")
+    assert (tmp_path / "t.png").stat().st_size > 1000

@@ -1,5 +1,6 @@
-"""The pruning frontier: attention layers removed (chosen by importance, in runs) against held-out
-perplexity, by surgery alone and after local distillation; a table and a picture (docs/pruning.md)."""
+"""The pruning trade-off (`prune_attention.py --frontier`): attention layers removed (chosen by
+importance, in runs) against held-out perplexity, by surgery alone and after local distillation; a table
+and a picture (docs/pruning.md)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from runtime.text_sets import TextSet
 
 
 @dataclass(frozen=True)
-class FrontierPoint:
+class TradeoffPoint:
     removed: int
     layers: str
     unpruned: float
@@ -32,9 +33,9 @@ class FrontierPoint:
         return f"{100 * (ppl / self.unpruned - 1):+.0f}%"
 
 
-def frontier(model: PruneModel, importance: dict[int, float], counts: Sequence[int], runs: int | None,
-             calib, held_out: Sequence[TextSet], ridge: float,
-             log: Callable[[str], None] = lambda m: None) -> list[FrontierPoint]:
+def measure_tradeoff(model: PruneModel, importance: dict[int, float], counts: Sequence[int], runs: int | None,
+                     calib, held_out: Sequence[TextSet], ridge: float,
+                     log: Callable[[str], None] = lambda m: None) -> list[TradeoffPoint]:
     points = []
     for count in counts:
         layers = choose(importance, count, runs if runs is not None else default_runs(count))
@@ -45,20 +46,20 @@ def frontier(model: PruneModel, importance: dict[int, float], counts: Sequence[i
         distill_local(model, distilled, layers, calib, ridge)
         seconds = time.perf_counter() - start
         rows = score(model, {"surgery": surgery, "distilled": distilled}, held_out, task_items=0)
-        points.append(FrontierPoint(count, format_layers(layers), rows[0].perplexity, rows[1].perplexity,
+        points.append(TradeoffPoint(count, format_layers(layers), rows[0].perplexity, rows[1].perplexity,
                                     rows[2].perplexity, seconds))
         log(points[-1].line())
     return points
 
 
-def format_frontier(points: Sequence[FrontierPoint]) -> str:
+def format_tradeoff(points: Sequence[TradeoffPoint]) -> str:
     head = ("| removed | layers | surgery ppl | distilled ppl | distillation |\n"
             "| --- | --- | --- | --- | --- |")
     base = f"unpruned perplexity {points[0].unpruned:.2f}" if points else ""
     return "\n".join([base, head, *(p.line() for p in points)])
 
 
-def plot_frontier(points: Sequence[FrontierPoint], path: Path, title: str) -> None:
+def plot_tradeoff(points: Sequence[TradeoffPoint], path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
