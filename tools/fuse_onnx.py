@@ -67,8 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "relative error against the source (default 0.15)"
     )
     parser.add_argument(
-        "--text", type=Path, nargs="+", help="--verify of a healed model: held-out text files "
-        "(default: the machine's prose and code)"
+        "--text", type=Path, nargs="+", help="--verify of a healed model: held-out text files, or "
+        "one .npy of token ids as heal.py --heldout takes (default: the machine's prose and code)"
     )
     parser.add_argument("--junit", type=Path, help="--verify: also write the checks as JUnit XML to FILE")
     # Intermixed, so that `--verify MODEL FUSED` and `MODEL --verify FUSED` both read as two paths.

@@ -14,10 +14,10 @@ temporary folder) and checked against ORIGINAL, the fused or healed ONNX the che
   weights cost (2.4e-3 on the test model, 2.8e-2 on SmolLM2-135M), and it still catches a config.json
   that reads the right tensors into the wrong model (rope, norms, the block table).
 
-FP8 checkpoints (`--fp8`) cannot be re-imported (the --hf export reads float weights only): ORIGINAL is then
-the FP8 ONNX of the graph they were exported from (`build_engines.py --fp8`, passes.quant.fp8, whose
-per-channel weights the per-channel export writes), and their float8 weights, scales and float tensors are
-compared with it bit for bit (runtime/verify/checkpoint_fp8.py).
+FP8 checkpoints (`--fp8`, runtime/verify/checkpoint_fp8.py): their float8 weights, scales and float tensors
+are compared bit for bit with ORIGINAL (per channel: the FP8 ONNX of the graph they were exported from; per
+tensor: that float graph), and a float32 copy with the weights dequantized is re-imported (the --hf export
+reads float weights only) for the same logits bound against ORIGINAL holding exactly those weights.
 
 Memory: one tensor at a time for the tensor checks (and for writing the rounded ORIGINAL); the logits run
 block by block above block_runner.STREAMING_BYTES (common.logits). Disk: the re-import is a float32 copy of
@@ -86,7 +86,7 @@ def verify_checkpoint(report: VerifyReport, options: VerifyOptions) -> None:
     if (folder / QUANT_CONFIG).is_file() or "quantization_config" in config:
         from runtime.verify.checkpoint_fp8 import verify_fp8_checkpoint
 
-        verify_fp8_checkpoint(report, config, source_layers)
+        verify_fp8_checkpoint(report, config, source_layers, options)
         return
     with tempfile.TemporaryDirectory(prefix="ffn_fusion_verify.") as tmp:
         back = Path(tmp) / "reimport" / "model.onnx"

@@ -1,53 +1,94 @@
-"""FP8 Nemotron-NAS checkpoints (export_checkpoint.py --fp8, per-channel): the --hf export reads float weights
-only, so they are not re-imported; instead every tensor is compared with ORIGINAL, the FP8 ONNX of the
-graph they were exported from (build_engines.py --fp8: passes.quant.fp8, whose per-channel float8 weights
-and scales the per-channel export writes to the bit):
+"""FP8 Nemotron-NAS checkpoints (export_checkpoint.py --fp8, exporters/nas/fp8.py), in ModelOpt's two forms:
 
-- block table: config.json's layer count is its source_layers', its plan ORIGINAL's;
-- checkpoint tensors: every float8 weight ([out, in]) equals ORIGINAL's `<tensor>_fp8` ([in, out]) bit for
-  bit, its `weight_scale` ORIGINAL's `<tensor>_fp8_scale`; every float tensor (norms, embeddings, lm_head)
-  equals ORIGINAL's rounded to the checkpoint's dtype, bit for bit.
+- per-channel (`FP8_PER_CHANNEL_PER_TOKEN`, the default): ORIGINAL is the FP8 ONNX of the graph they were
+  exported from (build_engines.py --fp8: passes.quant.fp8, whose per-channel float8 weights and scales the
+  export writes to the bit). Every float8 weight ([out, in]) equals ORIGINAL's `<tensor>_fp8` ([in, out]),
+  its `weight_scale` ORIGINAL's `<tensor>_fp8_scale`.
+- per-tensor (`FP8`, static activation scales): ORIGINAL is the float graph they were exported from (their
+  weights were quantized from its weights, one scale per tensor, which no FP8 ONNX holds). Every float8
+  weight equals Q(ORIGINAL's weight, amax / 448 of the whole tensor) and its `weight_scale` that scale, bit
+  for bit, as the exporter computes them; the `input_scale`s come from a calibration file (not checked, as
+  the FP8 graph check leaves the activation scales).
 
-ORIGINAL's tensor for a checkpoint tensor comes by name (an FP8 graph has no block walk): layer i's
-tensors from its first source layer, a fused layer's FFN from the fusion's `ffn_fusion.<first>_<last>.*`
-weights, its norm from the group's last member (plan norm "last") or all ones ("fold"). No logits check:
-the per-token activation quantization the engines apply has no ONNX here to compare with.
+In both, every float tensor (norms, embeddings, lm_head) equals ORIGINAL's rounded to the checkpoint's dtype,
+bit for bit, and config.json's layer count and plan are ORIGINAL's (the "block table" check).
+
+Logits: the checkpoint is re-imported as the float checkpoints are (exporters.hf, float32), from a float32
+copy with every float8 weight dequantized (float8 value x weight_scale in float32, what DequantizeLinear
+computes), and compared with ORIGINAL made to hold exactly those weights: the FP8 ONNX without its activation
+QuantizeLinear/DequantizeLinear pairs (per-channel), or the float graph with each quantized weight replaced by
+its dequantized Q (per-tensor), float tensors rounded as the checkpoint holds them. Bound: max-abs relative
+<= `checkpoint_tolerance` (1e-5): both sides then compute with the same float32 weights, so only the order of
+float32 sums differs; the tensor check proved the quantization itself, and what is left to check is that
+config.json makes the same model of those tensors. Activation quantization is left out of the bound on
+purpose: the per-channel form quantizes activations per token at run time (engines), which the ONNX's static
+per-tensor activation scales do not model. Reported, not bounded: the re-import against the FP8 ONNX as it
+runs (activations quantized), or against the unquantized float graph (per-tensor).
+
+ORIGINAL's tensor for a checkpoint tensor comes by name (an FP8 graph has no block walk): layer i's tensors
+from its first source layer, a fused layer's FFN from the fusion's `ffn_fusion.<first>_<last>.*` weights,
+its norm from the group's last member (plan norm "last") or all ones ("fold").
+
+Memory: one tensor (a band of rows of it for float8 weights) at a time for the tensor checks and the
+dequantized copy; the re-import's and a float reference's logits run block by block above
+block_runner.STREAMING_BYTES (common.logits); the per-channel reference is an FP8 graph and runs whole. Disk:
+the dequantized copy, its re-import and the reference, float32, in the system's temporary folder.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import tempfile
+from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 
+from exporters.hf.checkpoint import export_hf
 from exporters.hf.safetensors_in import TensorEntry, numpy_dtype, open_checkpoint
+from exporters.nas.safetensors_out import OutTensor, band_rows, copied, write_bands, write_checkpoint
+from passes.error_measures import l2_relative_error, max_abs_relative_error
 from passes.errors import UserError
-from passes.io.model_io import load_model
-from passes.model_map import PLAN_METADATA_KEY
-from runtime.verify.common import metadata_json
+from passes.io.model_io import load_model, save_model
+from passes.model_map import PLAN_METADATA_KEY, find_blocks
+from passes.patterns.linear import FloatWeight, find_linears
+from passes.quant.calibrate import FP8_MAX
+from passes.quant.fp8 import weight_bands
+from passes.validate import default_tokens
+from runtime.verify.common import logits, metadata_json
 from runtime.verify.fp8 import is_fp8
+from runtime.verify.options import VerifyOptions
 from runtime.verify.records import VerifyReport
 
 PER_CHANNEL = "FP8_PER_CHANNEL_PER_TOKEN"
+PER_TENSOR = "FP8"
 FLOAT8 = "F8_E4M3"
+SCALES = ("weight_scale", "input_scale")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _FUSED_FFN = re.compile(r"^mlp\.(gate|up|down)_proj\.weight$")
 
 
-def verify_fp8_checkpoint(report: VerifyReport, config: dict, source_layers: list[list[int]]) -> None:
+def verify_fp8_checkpoint(
+    report: VerifyReport, config: dict, source_layers: list[list[int]], options: VerifyOptions
+) -> None:
     folder, original = report.artifact, report.original
     quant = json.loads((folder / "hf_quant_config.json").read_text(encoding="utf-8")).get("quantization", {})
     algo = quant.get("quant_algo")
-    if algo != PER_CHANNEL:
+    if algo not in (PER_CHANNEL, PER_TENSOR):
         raise UserError(
-            f"{folder} is an FP8 checkpoint in ModelOpt's {algo!r} form: only {PER_CHANNEL} checkpoints "
-            "(export_checkpoint.py --fp8 per-channel) are verified, against the FP8 ONNX whose weights they "
-            "hold"
+            f"{folder} is an FP8 checkpoint in ModelOpt's {algo!r} form: only {PER_CHANNEL} and {PER_TENSOR} "
+            "checkpoints (export_checkpoint.py --fp8 per-channel / per-tensor) are verified"
         )
+    per_tensor = algo == PER_TENSOR
     model = load_model(original)
-    if not is_fp8(model):
+    if per_tensor and is_fp8(model):
+        raise UserError(
+            f"{folder} is a per-tensor FP8 checkpoint: verify it against the float graph it was exported "
+            f"from, not {original}, whose float8 weights are quantized per channel (not the checkpoint's)"
+        )
+    if not per_tensor and not is_fp8(model):
         raise UserError(
             f"{folder} is an FP8 checkpoint: verify it against the FP8 ONNX of the graph it was exported "
             f"from (build_engines.py --fp8), not {original}, which has no float8 weights"
@@ -56,31 +97,48 @@ def verify_fp8_checkpoint(report: VerifyReport, config: dict, source_layers: lis
     if not _block_table(report, config, source_layers, plan):
         return
     initializers = model.graph.initializers
+    linears = {lin.weight.value.name: lin.weight for lin in find_linears(model.graph)} if per_tensor else {}
     entries = open_checkpoint(folder).tensors
     bad, compared, quantized, dtypes = [], 0, 0, set()
+    rounded: dict[str, np.dtype] = {}  # ORIGINAL's float tensors the checkpoint holds rounded
+    scales: dict[str, np.ndarray] = {}  # per-tensor: ORIGINAL's quantized weight -> its scale
     for name, entry in entries.items():
-        if name.endswith(("weight_scale", "input_scale")):
+        if name.endswith(SCALES):
             continue  # compared with their weight
         compared += 1
         source = _source_name(name, source_layers, plan.get("norm"))
         if entry.dtype == FLOAT8:
             quantized += 1
-            problem = _float8(name, entry, entries.get(f"{name}_scale"), source, initializers)
+            scale = entries.get(f"{name}_scale")
+            if per_tensor:
+                problem = _float8_per_tensor(name, entry, scale, source, linears, scales)
+            else:
+                problem = _float8(name, entry, scale, source, initializers)
         else:
             dtypes.add(entry.numpy_name)
-            problem = _float(name, entry, source, initializers)
+            problem = _float(name, entry, source, initializers, rounded)
         if problem is not None:
             bad.append(problem)
-    report.notes.append("FP8 checkpoint: compared tensor by tensor with the FP8 ONNX, not re-imported")
+    form = "per tensor" if per_tensor else "per channel"
+    report.notes.append(
+        f"FP8 checkpoint ({algo}, weights quantized {form}): tensors compared bit for bit with "
+        f"{'the float graph' if per_tensor else 'the FP8 ONNX'}, then re-imported, weights dequantized"
+        + ("; input_scale comes from calibration (not checked)" if per_tensor else "")
+    )
     report.add_mismatches(
         "checkpoint tensors",
         bad,
         compared,
         "checkpoint tensors differ",
-        f"{compared} tensors equal ORIGINAL's bit for bit: {quantized} float8 weights with their scales, "
-        f"{compared - quantized} in {', '.join(sorted(dtypes)) or 'no float dtype'}",
+        f"{compared} tensors equal ORIGINAL's bit for bit: {quantized} float8 weights with their scales "
+        f"({'Q per tensor of ORIGINAL' if per_tensor else 'ORIGINAL'}'s), {compared - quantized} in "
+        f"{', '.join(sorted(dtypes)) or 'no float dtype'}",
         sep="; ",
     )
+    if bad:  # the re-import would read what the tensor check already failed: nothing more to learn
+        return
+    del model
+    _logits(report, options, config, entries, per_tensor, rounded, scales)
 
 
 def _block_table(report: VerifyReport, config: dict, source_layers: list[list[int]], plan: dict) -> bool:
@@ -114,10 +172,17 @@ def _source_name(name: str, source_layers: list[list[int]], norm: str | None) ->
     return f"model.layers.{first}.{part}"
 
 
-def _raw(entry: TensorEntry, dtype: np.dtype) -> np.ndarray:
+def _raw(entry: TensorEntry, dtype: np.dtype, rows: tuple[int, int] | None = None) -> np.ndarray:
+    """The tensor's stored values (rows start:stop of a matrix), as `dtype`."""
+    shape = entry.shape
+    start, length = entry.start, entry.end - entry.start
+    if rows is not None:
+        row_bytes = (entry.end - entry.start) // shape[0]
+        start, length, shape = start + rows[0] * row_bytes, (rows[1] - rows[0]) * row_bytes, (
+            rows[1] - rows[0], *shape[1:])
     with open(entry.file, "rb") as f:
-        f.seek(entry.start)
-        return np.frombuffer(f.read(entry.end - entry.start), dtype=dtype).reshape(entry.shape)
+        f.seek(start)
+        return np.frombuffer(f.read(length), dtype=dtype).reshape(shape)
 
 
 def _float8(
@@ -140,7 +205,48 @@ def _float8(
     return None
 
 
-def _float(name: str, entry: TensorEntry, source: str | None, initializers) -> str | None:
+def tensor_scale(weight: FloatWeight) -> np.float32:
+    """amax / 448 of the whole weight in float32 (1 for an all-zero one): exporters/nas/fp8.py's rule."""
+    amax = max(float(np.abs(band).max()) for band in weight_bands(weight.tensor, weight.transpose))
+    scale = np.float32(np.float32(amax) / np.float32(FP8_MAX))
+    return np.float32(scale if scale > 0 and np.isfinite(scale) else 1.0)
+
+
+def _float8_per_tensor(
+    name: str,
+    entry: TensorEntry,
+    scale: TensorEntry | None,
+    source: str | None,
+    linears: dict[str, FloatWeight],
+    scales: dict[str, np.ndarray],
+) -> str | None:
+    """Q(ORIGINAL's weight, its tensor scale) against the stored float8 [out, in], band by band."""
+    weight = linears.get(source) if source is not None else None
+    if weight is None or scale is None:
+        return f"{name!r} (no linear weight {source!r} in ORIGINAL, or no weight_scale here)"
+    expected = tensor_scale(weight)
+    recorded = _raw(scale, np.dtype(np.float32)).reshape(-1)
+    if recorded.size != 1 or recorded.view("u4")[0] != np.array(expected).view("u4"):
+        return f"{name!r}_scale ({recorded.tolist()}, amax / 448 of ORIGINAL's {source!r} is {expected:.6g})"
+    scales[source] = expected
+    rows, cols = (int(d) for d in weight.tensor.shape)
+    seen = [cols, rows] if weight.transpose else [rows, cols]  # [in, out], as the MatMul sees it
+    stored = _raw(entry, np.dtype(np.uint8)).T  # the checkpoint's [out, in] as [in, out]
+    if list(stored.shape) != seen:
+        return f"{name!r} (shape {list(entry.shape)}, ORIGINAL's {source!r} [out, in] {seen[::-1]})"
+    rows, bad = 0, 0
+    for band in weight_bands(weight.tensor, weight.transpose):  # rows of the [in, out] matrix
+        want = np.clip(band / expected, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+        bad += int(np.count_nonzero(want != stored[rows : rows + len(band)]))
+        rows += len(band)
+    if bad:
+        return f"{name!r} ({bad} of {stored.size} float8 values differ from Q({source!r}, per tensor))"
+    return None
+
+
+def _float(
+    name: str, entry: TensorEntry, source: str | None, initializers, rounded: dict[str, np.dtype]
+) -> str | None:
     dtype = numpy_dtype(entry.numpy_name)
     ours = _raw(entry, dtype)
     value: ir.Value | None = initializers.get(source) if source is not None else None
@@ -157,4 +263,140 @@ def _float(name: str, entry: TensorEntry, source: str | None, initializers) -> s
     differ = int(np.count_nonzero(ours.view(width) != theirs.view(width)))
     if differ:
         return f"{name!r} ({differ} of {ours.size} values differ from ORIGINAL's {source or 'ones'!r})"
+    if source is not None and not np.array_equal(theirs.astype(np.float32), wide):
+        rounded[source] = dtype
     return None
+
+
+def _dequantized(entry: TensorEntry, scale: TensorEntry) -> OutTensor:
+    """The float8 [out, in] weight times its weight_scale ([out, 1] or one value), float32, band by band."""
+    factor = _raw(scale, np.dtype(np.float32)).reshape(-1, 1)
+
+    def write(fd: int, offset: int) -> int:
+        step = band_rows(entry.shape[1])
+
+        def bands():
+            for first in range(0, entry.shape[0], step):
+                stop = min(first + step, entry.shape[0])
+                q = _raw(entry, np.dtype(ml_dtypes.float8_e4m3fn), (first, stop)).astype(np.float32)
+                yield q * (factor if factor.size == 1 else factor[first:stop])
+
+        return write_bands(fd, offset, bands())
+
+    return OutTensor(entry.name, "float32", entry.shape, write)
+
+
+def dequantized_copy(folder: Path, config: dict, entries: dict[str, TensorEntry], target: Path) -> Path:
+    """A float32-weight copy of the FP8 checkpoint in `target`, as exporters.hf reads one: every float8 weight
+    dequantized (float8 x weight_scale, float32), the scales dropped, every other tensor copied as it is, and
+    config.json without its quantization."""
+    target.mkdir(parents=True)
+    tensors = []
+    for name, entry in entries.items():
+        if name.endswith(SCALES):
+            continue
+        if entry.dtype == FLOAT8:
+            tensors.append(_dequantized(entry, entries[f"{name}_scale"]))
+        else:
+            length = entry.end - entry.start
+            tensors.append(copied(name, entry.numpy_name, entry.shape, str(entry.file), entry.start, length))
+    write_checkpoint(target, tensors)
+    plain = {k: v for k, v in config.items() if k != "quantization_config"}
+    (target / "config.json").write_text(json.dumps(plain, indent=2) + "\n", encoding="utf-8")
+    return target
+
+
+def _rounded(tensor: ir.TensorProtocol, dtype: np.dtype) -> ir.LazyTensor:
+    """`tensor` rounded through `dtype` (nearest even), in its own dtype, computed when written."""
+
+    def compute() -> ir.TensorProtocol:
+        array = np.asarray(tensor.numpy()).astype(np.float32).astype(dtype).astype(np.float32)
+        return ir.tensor(array.astype(tensor.dtype.numpy()), dtype=tensor.dtype, name=tensor.name)
+
+    return ir.LazyTensor(compute, dtype=tensor.dtype, shape=tensor.shape, name=tensor.name)
+
+
+def _quantized(tensor: ir.TensorProtocol, scale: np.float32) -> ir.LazyTensor:
+    """`tensor` replaced by its dequantized per-tensor Q: Q(w, scale) x scale, in float32."""
+
+    def compute() -> ir.TensorProtocol:
+        array = np.asarray(tensor.numpy()).astype(np.float32)
+        q = np.clip(array / scale, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+        return ir.tensor((q * scale).astype(tensor.dtype.numpy()), dtype=tensor.dtype, name=tensor.name)
+
+    return ir.LazyTensor(compute, dtype=tensor.dtype, shape=tensor.shape, name=tensor.name)
+
+
+def strip_activation_quantization(model: ir.Model) -> int:
+    """Remove every QuantizeLinear -> DequantizeLinear pair on an activation (the FP8 pass's input
+    quantization): the DequantizeLinear's readers read the QuantizeLinear's input. Returns the pairs removed;
+    the float8 weights' DequantizeLinear (of an initializer) stay."""
+    pairs = []
+    for node in model.graph:
+        if node.op_type != "DequantizeLinear" or node.inputs[0] is None:
+            continue
+        producer = node.inputs[0].producer()
+        if producer is not None and producer.op_type == "QuantizeLinear":
+            pairs.append((producer, node))
+    for quant, dequant in pairs:
+        ir.convenience.replace_all_uses_with(dequant.outputs[0], quant.inputs[0])
+        alone = all(user is dequant for user, _ in quant.outputs[0].uses())
+        model.graph.remove([dequant, quant] if alone else [dequant], safe=True)
+    return len(pairs)
+
+
+def _logits(
+    report: VerifyReport,
+    options: VerifyOptions,
+    config: dict,
+    entries: dict[str, TensorEntry],
+    per_tensor: bool,
+    rounded: dict[str, np.dtype],
+    scales: dict[str, np.float32],
+) -> None:
+    """The "logits vs source" check (see the module docstring)."""
+    with tempfile.TemporaryDirectory(prefix="ffn_fusion_verify.") as tmp:
+        plain = dequantized_copy(report.artifact, config, entries, Path(tmp) / "dequantized")
+        back = Path(tmp) / "reimport" / "model.onnx"
+        export_hf(plain, back, dtype="float32")
+        # the seeded prompt of every logits check, sized by the re-import (an FP8 graph has no block walk)
+        tokens = default_tokens(find_blocks(load_model(back)), back, options.seq)
+        reference = load_model(report.original)
+        initializers = reference.graph.initializers
+        for name, dtype in rounded.items():
+            initializers[name].const_value = _rounded(initializers[name].const_value, dtype)
+        if per_tensor:
+            for name, scale in scales.items():
+                initializers[name].const_value = _quantized(initializers[name].const_value, scale)
+            what = "ORIGINAL with its weights quantized per tensor as the checkpoint's"
+        else:
+            pairs = strip_activation_quantization(reference)
+            what = f"ORIGINAL without its {pairs} activation quantizations"
+        if rounded:
+            what += f", {len(rounded)} float tensors rounded as the checkpoint's"
+        reference_path = Path(tmp) / "reference" / "model.onnx"
+        reference_path.parent.mkdir()
+        save_model(reference, reference_path, external=True)
+        del reference
+        ours, theirs = logits(back, tokens), logits(reference_path, tokens)
+        as_run = logits(report.original, tokens)
+    bound = options.checkpoint_tolerance
+    if ours.shape != theirs.shape:
+        report.add("logits vs source", False, f"re-import {list(ours.shape)}, ORIGINAL {list(theirs.shape)}")
+        return
+    error = max_abs_relative_error(ours, theirs)
+    drift = l2_relative_error(ours, as_run)
+    if per_tensor:
+        against = "the float graph (weights unquantized)"
+    else:
+        against = "the FP8 ONNX as it runs (activations quantized)"
+    report.notes.append(f"re-import vs {against}: relative L2 error {drift:.4g} (reported, not bounded)")
+    report.add(
+        "logits vs source",
+        error <= bound,
+        f"re-import (float8 weights dequantized, export_model.py --hf, float32) against {what}: max-abs "
+        f"relative error {error:.3g} (<= {bound:g}) on {theirs.shape[-2]} tokens",
+        max_abs_rel_error=error,
+        tolerance=bound,
+        rel_error_as_run=drift,
+    )

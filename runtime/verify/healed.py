@@ -1,26 +1,36 @@
 """Healed graphs (heal.py): the fused structure of their plan (FFN groups' widths, parallel groups'
 members), every healed tensor equal to what the heal recorded (sha256 per tensor in ffn_fusion.heal), every
 other weight equal to the original's, and the quality against the original on held-out text (KL, top-1),
-bounded by `max_kl`."""
+bounded by `max_kl`. Above block_runner.STREAMING_BYTES of weights the quality check runs both models block by
+block (_streamed_quality), as fusion's validation does; below it, whole (runtime/evaluate.py)."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
+
+import numpy as np
 
 from passes.blocks import Block
 from passes.errors import UserError
 from passes.fuse import ffn_members
-from passes.io.model_io import load_model
+from passes.graph_inputs import Signature
+from passes.io.model_io import load_model, weight_bytes
 from passes.model_map import find_blocks, vocab_size
 from passes.plan import Plan
+from passes.run import block_runner
+from passes.run.block_runner import BlockRunner
 from passes.validate import check_structure, plan_from_metadata
-from runtime.evaluate import evaluate
+from runtime.evaluate import evaluate, kl_total
 from runtime.heal.metadata import HEAL_METADATA_KEY, TENSOR_HASHES_KEY
-from runtime.text_sets import evaluation_sets
-from runtime.verify.common import metadata_json, same_initializers, tensor_sha256
+from runtime.text_sets import TextSet, evaluation_sets, is_token_file
+from runtime.verify.common import metadata_json, release, same_initializers, tensor_sha256
 from runtime.verify.fused import fused_group_blocks, group_tensors
 from runtime.verify.options import VerifyOptions
 from runtime.verify.records import VerifyReport
+
+# A streamed quality check runs as many windows at once as keep both models' logits within this (float32).
+STREAMED_LOGITS_BYTES = 256 << 20
 
 
 def verify_healed(report: VerifyReport, options: VerifyOptions) -> None:
@@ -48,8 +58,12 @@ def verify_healed(report: VerifyReport, options: VerifyOptions) -> None:
     _hashes(report, healed_model, hashes)
     skip = set(hashes) | group_tensors(fused_group_blocks(plan, healed_blocks))
     same_initializers(report, original_model, healed_model, skip, "weights outside the healed groups")
+    # above STREAMING_BYTES of weights, block by block (a parallel-block graph has no blocks to cut: whole)
+    stream = max(weight_bytes(original_model), weight_bytes(healed_model)) > block_runner.STREAMING_BYTES
+    if stream and plan.parallel:
+        report.notes.append("a parallel-block graph runs whole for the quality check (not block by block)")
     del original_model, healed_model
-    _quality(report, options, vocab_size(original_blocks))
+    _quality(report, options, vocab_size(original_blocks), stream and not plan.parallel)
 
 
 def _structure(
@@ -109,6 +123,8 @@ def _hashes(report: VerifyReport, model, hashes: dict[str, str]) -> None:
             bad.append(f"{name!r} (missing)")
         elif tensor_sha256(value.const_value) != digest:
             bad.append(repr(name))
+        if value is not None and value.const_value is not None:
+            release(value.const_value)
     report.add_mismatches(
         "healed weights",
         bad,
@@ -119,20 +135,80 @@ def _hashes(report: VerifyReport, model, hashes: dict[str, str]) -> None:
     )
 
 
-def _quality(report: VerifyReport, options: VerifyOptions, vocab: int) -> None:
-    texts = evaluation_sets(vocab, options.window, options.eval_tokens, text=list(options.text) or None)
-    results = evaluate(report.original, report.artifact, texts, progress=False)
-    pooled = results[-1]
+def _quality(report: VerifyReport, options: VerifyOptions, vocab: int, stream: bool) -> None:
+    files = list(options.text)
+    if is_token_file(files):  # token ids, as heal.py --heldout takes them (no tokenizer needed)
+        texts = evaluation_sets(vocab, options.window, options.eval_tokens, token_file=files[0])
+    else:
+        texts = evaluation_sets(vocab, options.window, options.eval_tokens, text=files or None)
+    streamed = _streamed_quality(report, texts) if stream else None
+    if streamed is not None:
+        (kl, top1, tokens), how = streamed, "; block by block"
+    else:
+        if stream:
+            whole = "the quality check runs whole (a graph fixes its batch, or its tail reads side tensors)"
+            report.notes.append(whole)
+        pooled = evaluate(report.original, report.artifact, texts, progress=False)[-1]
+        kl, top1, tokens, how = pooled.kl, pooled.top1_agreement, pooled.tokens, ""
     bound = options.max_kl
-    ok = bound is None or pooled.kl <= bound
+    ok = bound is None or kl <= bound
     limit = "unbounded: pass --max-kl" if bound is None else f"<= {bound:g}"
     report.add(
         "quality vs original",
         ok,
-        f"KL(original||healed) {pooled.kl:.4g} nats ({limit}), top-1 agreement {pooled.top1_agreement:.4f} "
-        f"on {pooled.tokens} held-out tokens ({', '.join(t.name for t in texts)})",
-        kl=pooled.kl,
-        top1=pooled.top1_agreement,
-        tokens=pooled.tokens,
+        f"KL(original||healed) {kl:.4g} nats ({limit}), top-1 agreement {top1:.4f} "
+        f"on {tokens} held-out tokens ({', '.join(t.name for t in texts)}{how})",
+        kl=kl,
+        top1=top1,
+        tokens=tokens,
         **({} if bound is None else {"max_kl": bound}),
     )
+
+
+def _fixed_batch(path: Path) -> bool:
+    ids = Signature.of(path).ids
+    return ids is not None and ids.static(0) is not None
+
+
+def _final_stream(runner: BlockRunner, windows: np.ndarray) -> np.ndarray:
+    """The stream leaving the last block for `windows`, one block loaded at a time: the prefix (embedding,
+    rotary tables, masks: the side tensors every block reads), then each block on the stream of the last."""
+    first = runner.cuts[0].input_name
+    x = runner.capture(windows, extra=[first], only=True)[first]  # (runs the prefix and block 0 only)
+    for k in range(len(runner.cuts)):
+        x = runner.run_block(k, x)
+    return x
+
+
+def _streamed_quality(report: VerifyReport, texts: list[TextSet]) -> tuple[float, float, int] | None:
+    """KL(original || healed) and top-1 agreement pooled over every window, both models run block by block
+    (BlockRunner streaming: one block's weights in memory at a time, a fused group's block above
+    LARGE_FFN_BYTES from its rows), then the tail (final norm, lm_head) on as many windows at a time as keep
+    both models' logits within STREAMED_LOGITS_BYTES. Memory: one block's (or the lm_head's) weights, both
+    models' last streams of one text set, and those logits. None when a graph fixes its batch, or a model's
+    tail reads side tensors (none seen: the tail is the final norm and the lm_head), which the streamed
+    capture does not keep: the check then runs whole."""
+    paths = (report.original, report.artifact)
+    if any(_fixed_batch(path) for path in paths):
+        return None  # every window of a set runs at once: a graph that fixes its batch runs whole
+    runners = [BlockRunner(p, streaming=True, large_ffn_bytes=block_runner.LARGE_FFN_BYTES) for p in paths]
+    if any(runner.tail_inputs() for runner in runners):
+        return None
+    kl, agree, positions = 0.0, 0, 0
+    for text in texts:
+        windows = text.windows
+        streams = [_final_stream(runner, windows) for runner in runners]
+        at_once = max(1, STREAMED_LOGITS_BYTES // (2 * windows.shape[-1] * runners[0].vocab * 4))
+        for start in range(0, len(windows), at_once):
+            rows = slice(start, start + at_once)
+            a, b = (runner.run_tail(x[rows]) for runner, x in zip(runners, streams, strict=True))
+            if a.shape != b.shape:
+                raise UserError(f"the models' logits differ in shape: {a.shape} vs {b.shape}")
+            kl += kl_total(a, b)
+            agree += int((a.argmax(-1) == b.argmax(-1)).sum())
+            positions += int(np.prod(a.shape[:-1]))
+            del a, b
+        del streams
+    for runner in runners:
+        runner.close()
+    return kl / max(positions, 1), agree / max(positions, 1), positions

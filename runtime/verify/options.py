@@ -15,5 +15,5 @@ class VerifyOptions:
     decode_tolerance: float = 1e-4  # decode: cached vs uncached (and vs the source's prefill) logits
     window: int = 64  # held-out text windows (tokens)
     eval_tokens: int = 2048  # held-out tokens per text set
-    text: tuple[Path, ...] = ()  # held-out text files (default: the machine's prose and code)
+    text: tuple[Path, ...] = ()  # held-out text files or one ids .npy (default: the machine's prose and code)
     seq: int = 16  # tokens of the seeded prompt for the logits checks

@@ -76,11 +76,12 @@ _checkpoints: dict[str, Path] = {}
 
 
 def checkpoint_artifacts(tmp_path_factory) -> dict[str, Path]:
-    """{"source", "graph", "fused", "fused_fp8", "float32", "bfloat16", "fp8"}: the every-kind checkpoint (as
+    """{"source", "graph", "fused", "fused_fp8", "float32", "bfloat16", "fp8", "fp8_tensor"}: the every-kind
+    checkpoint (as
     tests/exporters/hf/test_nas_export.py builds it), its float32 graph, that fused (norm "fold": the fused
     layers' weights are new values, not copies), the fused graph quantized to FP8 (build_engines --fp8's
     quantize_file), and the fused graph exported as a Nemotron-NAS checkpoint in float32, bfloat16 and FP8
-    (per-channel)."""
+    (per-channel, and per-tensor with the calibration's activation scales)."""
     if not _checkpoints:
         from exporters.hf.checkpoint import export_hf
         from exporters.hf.synthetic import write_all_kinds
@@ -101,6 +102,10 @@ def checkpoint_artifacts(tmp_path_factory) -> dict[str, Path]:
         ids = np.random.default_rng(3).integers(0, 96, (2, 16), dtype=np.int64)
         scales = calibrate(fused, [ids], progress=False)
         _checkpoints["fused_fp8"] = quantize_file(fused, scales, base / "fused", False, lambda m: None)
+        scales.save(base / "scales.json")
+        _checkpoints["fp8_tensor"] = export_checkpoint(
+            fused, source, base / "fp8_tensor", fp8="per-tensor", fp8_scales=base / "scales.json"
+        ).output
     return _checkpoints
 
 

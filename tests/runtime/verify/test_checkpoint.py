@@ -63,8 +63,14 @@ def test_a_tampered_tensor_or_plan_fails_naming_it(checkpoints, tmp_path):
 def test_fp8_checkpoint_against_the_fp8_onnx_bit_for_bit(checkpoints, tmp_path):
     report = verify_artifact(checkpoints["fused_fp8"], checkpoints["fp8"])
     assert report.ok and report.kind == "checkpoint", report.lines()
-    tensors = next(c for c in report.checks if c.name == "checkpoint tensors")
-    assert "29 float8 weights with their scales" in tensors.message  # 4 x 3 attention, 2 Linear, 5 x 3 FFN
+    found = {c.name: c for c in report.checks}
+    assert list(found) == ["block table", "checkpoint tensors", "logits vs source"]
+    assert "29 float8 weights with their scales" in found["checkpoint tensors"].message  # 4 x 3 attention,
+    # 2 Linear, 5 x 3 FFN; the logits: the re-import (weights dequantized) against the FP8 ONNX without its
+    # activation quantization; as the FP8 ONNX runs (activations quantized) they differ by 0.07 (reported)
+    logits = found["logits vs source"]
+    assert logits.numbers["max_abs_rel_error"] <= 1e-5 and "without its 18 activation" in logits.message
+    assert 1e-3 < logits.numbers["rel_error_as_run"] < 0.2
     name = "model.layers.6.mlp.up_proj.weight"  # a fused group's float8 weight
 
     def flip(array: np.ndarray) -> np.ndarray:
@@ -82,6 +88,60 @@ def test_fp8_checkpoint_against_the_fp8_onnx_bit_for_bit(checkpoints, tmp_path):
     with pytest.raises(UserError) as caught:  # against the float graph: refused in one line
         verify_artifact(checkpoints["fused"], checkpoints["fp8"])
     assert "verify it against the FP8 ONNX" in str(caught.value) and "\n" not in str(caught.value)
+
+
+def edited_config(source: Path, target: Path, change) -> Path:
+    """A copy of the checkpoint folder `source` whose config.json holds change(config)."""
+    shutil.copytree(source, target)
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps(change(config)))
+    return target
+
+
+def test_fp8_checkpoint_logits_catch_a_config_that_reads_the_tensors_wrongly(checkpoints, tmp_path):
+    """Every tensor still equals its source; only the re-imported logits can see a wrong rope theta."""
+    for original, folder in (("fused_fp8", "fp8"), ("fused", "fp8_tensor")):
+        rope = edited_config(checkpoints[folder], tmp_path / folder, lambda c: {**c, "rope_theta": 10000.0})
+        report = verify_artifact(checkpoints[original], rope)
+        assert [c.name for c in report.failures] == ["logits vs source"], (folder, report.lines())
+        assert report.failures[0].numbers["max_abs_rel_error"] > 1e-3
+
+
+def test_per_tensor_fp8_checkpoint_against_the_float_graph(checkpoints, tmp_path):
+    """export_checkpoint.py --fp8 per-tensor: each float8 weight is Q(the float graph's weight, amax / 448 of
+    the tensor), bit for bit; the re-import (dequantized) equals the float graph with those weights."""
+    report = verify_artifact(checkpoints["fused"], checkpoints["fp8_tensor"])
+    assert report.ok, report.lines()
+    found = {c.name: c for c in report.checks}
+    assert "29 float8 weights with their scales (Q per tensor" in found["checkpoint tensors"].message
+    assert found["logits vs source"].numbers["max_abs_rel_error"] <= 1e-5
+    assert any("input_scale comes from calibration (not checked)" in n for n in report.notes)
+    name = "model.layers.1.mlp.gate_proj.weight"  # a fused group's, quantized from ffn_fusion.1_4's
+
+    def flip(array: np.ndarray) -> np.ndarray:
+        array[5] ^= 0x01
+        return array
+
+    bad = tampered_checkpoint(checkpoints["fp8_tensor"], tmp_path / "bad", name, flip)
+    [failure] = verify_artifact(checkpoints["fused"], bad).failures
+    assert failure.name == "checkpoint tensors" and repr(name) in failure.message
+    assert "1 of 49152 float8 values differ from Q('ffn_fusion.1_4.gate_proj.weight', per tensor)" in (
+        failure.message)
+    scale = tampered_checkpoint(checkpoints["fp8_tensor"], tmp_path / "scale", f"{name}_scale",
+                                lambda a: a * 1.05)
+    [failure] = verify_artifact(checkpoints["fused"], scale).failures
+    assert f"{name!r}_scale" in failure.message and "amax / 448 of ORIGINAL's" in failure.message
+    with pytest.raises(UserError) as caught:  # against the per-channel FP8 ONNX: refused in one line
+        verify_artifact(checkpoints["fused_fp8"], checkpoints["fp8_tensor"])
+    assert "against the float graph it was exported from" in str(caught.value)
+    other = tmp_path / "nvfp4"
+    shutil.copytree(checkpoints["fp8_tensor"], other)
+    quant = json.loads((other / "hf_quant_config.json").read_text())
+    quant["quantization"]["quant_algo"] = "NVFP4"
+    (other / "hf_quant_config.json").write_text(json.dumps(quant))
+    with pytest.raises(UserError, match="'NVFP4' form: only FP8_PER_CHANNEL_PER_TOKEN and FP8") as caught:
+        verify_artifact(checkpoints["fused"], other)
+    assert "\n" not in str(caught.value)
 
 
 def test_a_folder_no_stage_wrote_is_refused(checkpoints):

@@ -210,3 +210,30 @@ def test_junit_and_json_forms(healed, tmp_path):
     as_json = json.loads(json.dumps(bad.to_json()))
     assert as_json["ok"] is False and as_json["kind"] == "healed"
     assert [c["name"] for c in as_json["checks"] if not c["ok"]] == ["healed weights"]
+
+
+def test_healed_quality_runs_block_by_block_above_the_streaming_bound(healed, monkeypatch):
+    """Above block_runner.STREAMING_BYTES of weights (here: any) both models of the quality check stream one
+    block at a time, a few windows' logits at once (here: one), and measure what the whole models measure."""
+    from passes.run import block_runner
+    from runtime.verify import healed as healed_check
+
+    whole = checks(verify_artifact(healed["original"], healed["healed"], OPTIONS))["quality vs original"]
+    streamed = []
+
+    class Recorded(block_runner.BlockRunner):
+        def __init__(self, path, *args, **kwargs) -> None:
+            streamed.append((Path(path).name, kwargs.get("streaming")))
+            super().__init__(path, *args, **kwargs)
+
+    monkeypatch.setattr(healed_check, "BlockRunner", Recorded)
+    monkeypatch.setattr(block_runner, "STREAMING_BYTES", 0)
+    monkeypatch.setattr(healed_check, "STREAMED_LOGITS_BYTES", 1)
+    report = verify_artifact(healed["original"], healed["healed"], OPTIONS)
+    assert report.ok, report.lines()
+    quality = checks(report)["quality vs original"]
+    assert quality.message.endswith("; block by block)") and not whole.message.endswith("block by block)")
+    assert streamed == [("m.onnx", True), ("m.healed.onnx", True)]
+    assert quality.numbers["tokens"] == whole.numbers["tokens"]
+    assert quality.numbers["top1"] == whole.numbers["top1"]
+    assert abs(quality.numbers["kl"] - whole.numbers["kl"]) <= 1e-6 * whole.numbers["kl"]
