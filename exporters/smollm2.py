@@ -12,6 +12,8 @@ from __future__ import annotations
 import copy
 import functools
 import importlib.util
+import os
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -59,10 +61,27 @@ def load_torch_model() -> torch.nn.Module:
 
 @functools.cache
 def load_tokenizer() -> Any:
-    """The SmolLM2 tokenizer (cached per process)."""
+    """The SmolLM2 tokenizer (cached per process). Reading it from the GGUF parses the file's 147k metadata
+    fields (about 10 s of CPU); so it is saved once as a tokenizer folder under the user's cache, keyed by
+    the GGUF file, and read from there (about 1 s): the same ids, chat template and special tokens."""
     from transformers import AutoTokenizer  # as in _load_cached
 
-    return AutoTokenizer.from_pretrained(gguf_folder(), gguf_file=GGUF_FILE)
+    gguf = gguf_folder() / GGUF_FILE
+    stat = gguf.stat()
+    cache = Path(os.environ.get("FFN_FUSION_CACHE", Path.home() / ".cache" / "ffn-fusion"))
+    folder = cache / "tokenizers" / f"smollm2-{stat.st_size}-{stat.st_mtime_ns}"
+    if (folder / "tokenizer.json").is_file():
+        return AutoTokenizer.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=GGUF_FILE)
+    try:  # staged and renamed: a process that reads the folder never sees half of it
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=folder.parent) as staging:
+            tokenizer.save_pretrained(staging)
+            os.rename(staging, folder)
+            os.mkdir(staging)  # for TemporaryDirectory's cleanup
+    except OSError:  # a read-only home, or another process saved it first: this one still works
+        pass
+    return tokenizer
 
 
 class AttentionFreeDecoderLayer(LlamaDecoderLayer):
