@@ -9,7 +9,7 @@ logits the same way, so that no model larger than RAM is loaded whole.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +17,7 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
+from passes.blocks import Block
 from passes.errors import UserError
 from passes.graph_inputs import Signature
 from passes.io.model_io import load_model, load_proto, load_typed_proto, weight_bytes
@@ -51,12 +52,21 @@ class BlockRunner:
         streaming: bool | None = None,
         large_ffn_bytes: int | None = None,
         float_activations: bool = False,
+        blocks: list[Block] | None = None,
+        view: Callable[[onnx.ModelProto], onnx.ModelProto] | None = None,
     ):
         """`float_activations`: int4 MatMulNBits compute on float activations (passes.patterns.nbits), for
-        checks of a rewrite's exactness."""
+        checks of a rewrite's exactness. `blocks`: the block table of the model this graph was made from,
+        for a graph the block walk cannot read that keeps that model's stream names (an FP8 graph: the FP8
+        pass renames nothing it does not quantize); the blocks are cut between those names in this graph.
+        Their weights are the other model's, so no large-FFN reference reads them (large_ffn_bytes None).
+        `view`: a rewrite of each subgraph (a copy) before its session, e.g. a half graph's float32 view
+        (passes.validate.float32_view): one block's weights converted at a time."""
+        if blocks is not None and large_ffn_bytes is not None:
+            raise ValueError("large_ffn_bytes reads the blocks' weights: not with another model's blocks")
         self.path = Path(model_path)
         model = load_model(self.path)
-        self.blocks = find_blocks(model)
+        self.blocks = find_blocks(model) if blocks is None else blocks
         grouped = next((b for b in self.blocks if b.parallel is not None), None)
         if grouped is not None and grouped.parallel is not None:
             # Members of a parallel group share one input and one output: there is no block to cut out.
@@ -82,6 +92,14 @@ class BlockRunner:
         self._branches: dict[int, ort.InferenceSession] = {}
         # Streaming: blocks with more FFN weight bytes than this run through the row-block reference.
         self.large_ffn_bytes = large_ffn_bytes
+        self.view = view
+
+    def _session(self, proto: onnx.ModelProto, prepack: bool = True) -> ort.InferenceSession:
+        if self.view is not None:  # on a copy: the cut keeps its external references, not converted weights
+            copy = onnx.ModelProto()
+            copy.CopyFrom(proto)
+            proto = self.view(copy)
+        return session(proto, self.path.parent, self.threads, prepack)
 
     @property
     def vocab(self) -> int:
@@ -93,9 +111,9 @@ class BlockRunner:
                 self._sessions.clear()  # release the previous block's weights before loading these
                 self._attention.clear()
                 # No prepacked second copy of the weights (measured in docs/scale.md: the peak halves).
-                self._sessions[k] = session(self.cuts[k].proto, self.path.parent, self.threads, prepack=False)
+                self._sessions[k] = self._session(self.cuts[k].proto, prepack=False)
             else:
-                self._sessions[k] = session(self.cuts[k].proto, self.path.parent, self.threads)
+                self._sessions[k] = self._session(self.cuts[k].proto)
                 self.cuts[k].proto = onnx.ModelProto()  # the session holds the weights now
         return self._sessions[k]
 
@@ -126,7 +144,7 @@ class BlockRunner:
         produced = {out for node in sub.graph.node for out in node.output}
         if any(c.output_name in produced for c in self.cuts):
             raise UserError("a side tensor of a block depends on a later block; cannot stream this model")
-        return session(sub, self.path.parent, self.threads)
+        return self._session(sub)
 
     def _capture_streaming(
         self, tokens: np.ndarray, extra: Iterable[str], only: bool
@@ -173,7 +191,7 @@ class BlockRunner:
         side, proto = self._tail_cut()
         tail = self._tail_session
         if tail is None:
-            tail = session(proto, self.path.parent, self.threads, prepack=False)
+            tail = self._session(proto, prepack=False)
             if not self.streaming:
                 self._tail_session = tail
         feed = {self.cuts[-1].output_name: stream, **{n: self.side[n] for n in side}}
@@ -203,7 +221,7 @@ class BlockRunner:
             del proto.graph.output[:]
         proto.graph.output.extend(types[n] for n in wanted)  # temporarily: the proto holds the weights
         try:
-            sess = session(proto, self.path.parent, self.threads)
+            sess = self._session(proto)
         finally:
             del proto.graph.output[:]
             proto.graph.output.extend(saved)
@@ -237,7 +255,7 @@ class BlockRunner:
             if self.streaming:  # release the loaded block first
                 self._sessions.clear()
                 self._attention.clear()
-            self._attention[k] = (side, session(sub, self.path.parent, self.threads))
+            self._attention[k] = (side, self._session(sub))
         side, sess = self._attention[k]
         feed = {self.cuts[k].input_name: stream, **{n: self.side[n] for n in side}}
         return np.array(sess.run(None, feed)[0])  # a copy: see run_block
@@ -251,7 +269,7 @@ class BlockRunner:
             names = [r.branch.name for r in (block.attention_residual, block.residual) if r is not None]
             fill_stream_types(self.proto, [cut.input_name, *names])
             sub = onnx.utils.Extractor(self.proto).extract_model([cut.input_name, *cut.side_inputs], names)
-            sess = session(sub, self.path.parent, self.threads)
+            sess = self._session(sub)
             if not self.streaming:  # a streaming runner holds at most one block's weights
                 self._branches[k] = sess
         feed = {cut.input_name: stream, **{n: self.side[n] for n in cut.side_inputs}}
@@ -275,14 +293,21 @@ class BlockRunner:
         return np.array(self.block_session(k).run(None, feed)[0])
 
 
-def model_logits(model_path: str | Path, tokens: np.ndarray, threads: int = 0) -> np.ndarray:
+def model_logits(
+    model_path: str | Path,
+    tokens: np.ndarray,
+    threads: int = 0,
+    view: Callable[[onnx.ModelProto], onnx.ModelProto] | None = None,
+) -> np.ndarray:
     """The model's first output (logits) on `tokens`: one whole-model session, or above STREAMING_BYTES of
-    weights block by block (BlockRunner streaming), so that a model larger than RAM is never loaded whole."""
+    weights block by block (BlockRunner streaming), so that a model larger than RAM is never loaded whole.
+    `view`: as BlockRunner's (each subgraph's rewrite before its session; the whole model's too)."""
     path = Path(model_path)
     proto = load_proto(path)
     if weight_bytes(ir.serde.deserialize_model(proto)) <= STREAMING_BYTES:  # sizes only: no data is read
-        return session(proto, path.parent, threads).run(None, Signature.of(proto).feeds(tokens))[0]
+        whole = proto if view is None else view(proto)
+        return session(whole, path.parent, threads).run(None, Signature.of(whole).feeds(tokens))[0]
     # A fused model's block may hold a whole group's weights: above LARGE_FFN_BYTES, the row-block reference.
-    runner = BlockRunner(path, threads, streaming=True, large_ffn_bytes=LARGE_FFN_BYTES)
+    runner = BlockRunner(path, threads, streaming=True, large_ffn_bytes=LARGE_FFN_BYTES, view=view)
     runner.capture(tokens)
     return runner.logits

@@ -3,9 +3,10 @@ initializers an artifact shares by name with its source, one tensor at a time (m
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
@@ -38,19 +39,30 @@ def logits(path: Path, tokens: np.ndarray) -> np.ndarray:
     """`path`'s first logits output on `tokens` in ONNX Runtime (every other input fed as
     passes/graph_inputs.py does: mask of ones, positions, an empty KV cache); half models in fp32.
 
-    A float32 graph above block_runner.STREAMING_BYTES of weights runs block by block (model_logits: one
-    block's weights in memory at a time, as fusion's validation); half and float8 graphs run whole (the
-    fp32 view of a half graph is built whole, and an FP8 graph has no block walk to stream by)."""
+    A graph above block_runner.STREAMING_BYTES of weights runs block by block (model_logits: one block's
+    weights in memory at a time, as fusion's validation), a half graph each block in its float32 view. Whole:
+    float8 graphs (no block walk reads them: runtime/verify/fp8.py streams them by their source's blocks) and
+    half graphs with a half-precision input (a KV cache: the streamed capture feeds the graph's own types)."""
     proto = load_proto(path)
-    whole_only = {*HALF_TYPES, onnx.TensorProto.FLOAT8E4M3FN}
-    streamable = not any(t.data_type in whole_only for t in proto.graph.initializer)
-    if streamable and weight_bytes(ir.serde.deserialize_model(proto)) > block_runner.STREAMING_BYTES:
-        return block_runner.model_logits(path, tokens)  # (the sizes are read from the headers only)
-    if any(t.data_type in HALF_TYPES for t in proto.graph.initializer):
-        proto = float32_view(proto, path.parent)
+    view = half_view(path, proto)
+    whole_only = any(t.data_type == onnx.TensorProto.FLOAT8E4M3FN for t in proto.graph.initializer) or (
+        view is not None and any(v.type.tensor_type.elem_type in HALF_TYPES for v in proto.graph.input)
+    )
+    if not whole_only and weight_bytes(ir.serde.deserialize_model(proto)) > block_runner.STREAMING_BYTES:
+        return block_runner.model_logits(path, tokens, view=view)  # (sizes read from the headers only)
+    if view is not None:
+        proto = view(proto)
     signature = Signature.of(proto)
     session = open_session(proto, folder=path.parent, prepack=False)
     return session.run([signature.logits.name], signature.feeds(tokens))[0]
+
+
+def half_view(path: Path, proto: onnx.ModelProto) -> Callable[[onnx.ModelProto], onnx.ModelProto] | None:
+    """For a graph with float16/bfloat16 weights, its float32 view (passes.validate.float32_view: ONNX
+    Runtime's CPU provider lacks bfloat16 MatMul), as a BlockRunner `view`; None for other graphs."""
+    if not any(t.data_type in HALF_TYPES for t in proto.graph.initializer):
+        return None
+    return functools.partial(float32_view, folder=path.parent)
 
 
 def release(*tensors: ir.TensorProtocol) -> None:

@@ -1,22 +1,27 @@
 """FP8 graphs (passes/quant/fp8.py): every float8 weight equals Q(source weight) with its recorded scale,
 every recorded weight scale equals amax / 448 of its source's output channel, every other weight equals the
 source's, and the logits are within `max_error` of the source's. The weights are compared band by band as
-the pass wrote them, so memory stays near one band of rows."""
+the pass wrote them, so memory stays near one band of rows. Above block_runner.STREAMING_BYTES of weights both
+graphs' logits run block by block (_streamed_logits), the FP8 graph cut between its source's stream names."""
 
 from __future__ import annotations
 
 import numpy as np
 import onnx_ir as ir
 
+from passes.blocks import Block
 from passes.error_measures import cosine, l2_relative_error
-from passes.io.model_io import load_model
+from passes.errors import UserError
+from passes.io.model_io import load_model, load_proto, weight_bytes
 from passes.model_map import find_blocks
 from passes.patterns.linear import FloatWeight, find_linears
 
 # The pass's own band reader, scale rule and rounding: the check recomputes exactly what it wrote.
 from passes.quant.fp8 import channel_scales, to_fp8, weight_bands
-from passes.validate import default_tokens
-from runtime.verify.common import logits, same_initializers
+from passes.run import block_runner
+from passes.run.block_runner import BlockRunner
+from passes.validate import HALF_TYPES, default_tokens
+from runtime.verify.common import half_view, logits, same_initializers
 from runtime.verify.options import VerifyOptions
 from runtime.verify.records import VerifyReport
 
@@ -92,17 +97,72 @@ def verify_fp8(report: VerifyReport, options: VerifyOptions) -> None:
     )
     rewritten = {q.name for q, _ in quantized} | {s.name for _, s in quantized}
     same_initializers(report, source, artifact, rewritten, "unquantized weights")
-    tokens = default_tokens(find_blocks(source), report.original, options.seq)
+    blocks = find_blocks(source)
+    tokens = default_tokens(blocks, report.original, options.seq)
+    stream = max(weight_bytes(source), weight_bytes(artifact)) > block_runner.STREAMING_BYTES
     del source, artifact
-    reference, fp8 = logits(report.original, tokens), logits(report.artifact, tokens)
+    streamed = _streamed_logits(report, blocks, tokens) if stream else None
+    if streamed is None:
+        reference, fp8 = logits(report.original, tokens), logits(report.artifact, tokens)
+    else:
+        reference, fp8 = streamed
+    how = "" if streamed is None else "; block by block"
     error = l2_relative_error(fp8, reference)
     report.add(
         "logits vs source",
         error <= options.max_error,
-        f"relative error {error:.4g} (<= {options.max_error:g}), cosine {cosine(fp8, reference):.6f}",
+        f"relative error {error:.4g} (<= {options.max_error:g}), cosine {cosine(fp8, reference):.6f}{how}",
         rel_error=error,
         max_error=options.max_error,
     )
+
+
+def _streamed_logits(
+    report: VerifyReport, blocks: list[Block], tokens: np.ndarray
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """(source logits, FP8 logits), both graphs run block by block (BlockRunner streaming: one block's weights
+    in memory at a time). The block walk does not read an FP8 graph, but the FP8 pass renames no stream: its
+    blocks are cut between the source's stream names. None (the check then runs whole; a note says why) when
+    the FP8 graph lacks one of those names or cannot be cut by them, the source is a parallel-block graph (no
+    blocks to cut) or a graph has a half-precision input (common.logits). Half graphs run each block in its
+    float32 view, as whole. A fused group's block of the FP8 graph is loaded whole: no row-block reference
+    models its Q/DQ (ONNX Runtime maps its float8 weights, dequantizes each matrix to float32 as it runs)."""
+    if any(b.parallel is not None for b in blocks):
+        report.notes.append("a parallel-block graph: the logits check runs whole (not block by block)")
+        return None
+    protos = [load_proto(p) for p in (report.original, report.artifact)]
+    views = [half_view(p, proto) for p, proto in zip((report.original, report.artifact), protos, strict=True)]
+    if any(v.type.tensor_type.elem_type in HALF_TYPES for proto in protos for v in proto.graph.input):
+        report.notes.append("a half-precision graph input: the logits check runs whole (not block by block)")
+        return None
+    produced = {v.name for v in protos[1].graph.input} | {o for n in protos[1].graph.node for o in n.output}
+    del protos
+    source = BlockRunner(
+        report.original, streaming=True, large_ffn_bytes=block_runner.LARGE_FFN_BYTES, view=views[0]
+    )
+    names = [c.input_name for c in source.cuts] + [source.cuts[-1].output_name]
+    missing = [n for n in names if n not in produced]
+    if missing:
+        source.close()
+        report.notes.append(
+            f"the FP8 graph has no stream {missing[0]!r} of the source: the logits check runs whole"
+        )
+        return None
+    try:
+        fp8 = BlockRunner(report.artifact, streaming=True, blocks=source.blocks, view=views[1])
+    except UserError as exc:
+        source.close()
+        cut = f"the FP8 graph cannot be cut by its source's blocks ({exc}): the logits check runs whole"
+        report.notes.append(cut)
+        return None
+    source.capture(tokens)
+    reference = source.logits
+    source.close()
+    fp8.capture(tokens)
+    quantized = fp8.logits
+    fp8.close()
+    assert reference is not None and quantized is not None  # a full capture keeps the logits
+    return reference, quantized
 
 
 def _check_scale(weight: FloatWeight, scale: ir.Value) -> str | None:

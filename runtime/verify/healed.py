@@ -15,7 +15,7 @@ from passes.blocks import Block
 from passes.errors import UserError
 from passes.fuse import ffn_members
 from passes.graph_inputs import Signature
-from passes.io.model_io import load_model, weight_bytes
+from passes.io.model_io import load_model, load_proto, weight_bytes
 from passes.model_map import find_blocks, vocab_size
 from passes.plan import Plan
 from passes.run import block_runner
@@ -24,7 +24,7 @@ from passes.validate import check_structure, plan_from_metadata
 from runtime.evaluate import evaluate, kl_total
 from runtime.heal.metadata import HEAL_METADATA_KEY, TENSOR_HASHES_KEY
 from runtime.text_sets import TextSet, evaluation_sets, is_token_file
-from runtime.verify.common import metadata_json, release, same_initializers, tensor_sha256
+from runtime.verify.common import half_view, metadata_json, release, same_initializers, tensor_sha256
 from runtime.verify.fused import fused_group_blocks, group_tensors
 from runtime.verify.options import VerifyOptions
 from runtime.verify.records import VerifyReport
@@ -191,7 +191,11 @@ def _streamed_quality(report: VerifyReport, texts: list[TextSet]) -> tuple[float
     paths = (report.original, report.artifact)
     if any(_fixed_batch(path) for path in paths):
         return None  # every window of a set runs at once: a graph that fixes its batch runs whole
-    runners = [BlockRunner(p, streaming=True, large_ffn_bytes=block_runner.LARGE_FFN_BYTES) for p in paths]
+    runners = [  # a half graph: each block in its float32 view (ONNX Runtime's CPU lacks bfloat16 MatMul)
+        BlockRunner(p, streaming=True, large_ffn_bytes=block_runner.LARGE_FFN_BYTES,
+                    view=half_view(p, load_proto(p)))
+        for p in paths
+    ]
     if any(runner.tail_inputs() for runner in runners):
         return None
     kl, agree, positions = 0.0, 0, 0
