@@ -84,11 +84,34 @@ def quiet_export() -> Iterator[io.StringIO]:
             lg.setLevel(level)
 
 
+@contextlib.contextmanager
+def without_slices_split() -> Iterator[None]:
+    """onnxscript's default rewrite rules without SlicesSplit while the exporter's optimizer runs.
+
+    SlicesSplit (Slice(x), Slice(x) -> Split(x)) has two output nodes, and onnxscript's matcher indexes the
+    whole graph for every node it tries such a rule on: quadratic in the graph's size (13.5 of the 16.9 CPU
+    seconds of optimizing the demo's 30-layer decode graph). It never fires on these models: it needs the
+    second Slice to end at the last dim exactly, and torch writes rotate_half's x[..., half:] with end
+    INT64_MAX. Without it the optimized graph is byte for byte the same (tests/exporters/test_decode.py).
+    """
+    from onnxscript import rewriter  # imported by torch.onnx's optimizer anyway
+
+    rules = getattr(rewriter, "_DEFAULT_REWRITE_RULES", None)  # private: if it moves, optimize as before
+    if rules is None:
+        yield
+        return
+    rewriter._DEFAULT_REWRITE_RULES = tuple(r for r in rules if getattr(r, "name", None) != "SlicesSplit")
+    try:
+        yield
+    finally:
+        rewriter._DEFAULT_REWRITE_RULES = rules
+
+
 def dynamo_export(module: torch.nn.Module, args: tuple, *, opset: int | None, optimize: bool,
                   input_names: list[str], output_names: list[str], dynamic_shapes: Any) -> Any:
     """torch.onnx.export(dynamo=True) without its prints and warnings, under torch.no_grad(); returns the
     ONNXProgram. Raises RuntimeError with what the exporter printed if it fails."""
-    with quiet_export() as printed, torch.no_grad():
+    with quiet_export() as printed, torch.no_grad(), without_slices_split():
         try:
             return torch.onnx.export(
                 module, args, dynamo=True, opset_version=opset, optimize=optimize, input_names=input_names,

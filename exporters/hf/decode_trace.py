@@ -29,7 +29,7 @@ from exporters import decode
 from exporters.decode_spec import DecodeSpec
 from exporters.hf.config import HfConfig
 from exporters.hf.rope import rope_parameters
-from exporters.onnx_export import dynamo_export, quiet_export
+from exporters.onnx_export import dynamo_export, quiet_export, without_slices_split
 
 
 def parameter_aliases(model: nn.Module) -> dict[str, list[str]]:
@@ -98,7 +98,8 @@ def trace(traceable: Traceable, opset: int | None) -> ir.Model:
                 value.const_value = None  # the optimizer neither reads nor folds a value it does not have
             else:
                 raise RuntimeError(f"exported graph has an unexpected initializer {name!r}")
-        program.optimize()
+        with without_slices_split():  # the same graph, without a quadratic rule that never fires
+            program.optimize()
     onnx_model = program.model
     traceable.name_dims(onnx_model)
     onnx_model.metadata_props.update(traceable.metadata)
