@@ -13,6 +13,7 @@ from passes.plan import NORM_MODES
 from runtime.analyze import HEAL_THRESHOLD, AnalyzeOptions, analyze_and_plan
 from runtime.frontier.pipeline import FrontierOptions, run_frontier
 from runtime.frontier.target import TARGETS, WEIGHT_BYTES, TargetOptions
+from runtime.heal.input_limits import DEFAULT_WINDOW
 
 EPILOG = """\
 examples:
@@ -49,7 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, required=True, metavar="DIR", help="output folder")
     add_token_source(parser, "calibration")
     parser.add_argument("--num-tokens", type=int, default=128, help="calibration tokens used (default 128)")
-    parser.add_argument("--window", type=int, default=128, help="tokens per sequence (default 128)")
+    parser.add_argument("--window", type=int, help="tokens per sequence (default 128; with --frontier the "
+                        "length the graph fixes, if it fixes one)")
     parser.add_argument("--max-group", type=int, help="most blocks in one group")
     parser.add_argument("--max-width", type=int, help="largest intermediate width of a fused FFN")
     parser.add_argument(
@@ -155,7 +157,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     frontier.add_argument("--lm-eval-items", type=int, default=100, metavar="N",
                           help="license_mc items for --lm-eval (default 100)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
-    return parse(parser, argv, "num_tokens", "window", "heal_tokens", "screen_tokens", "lm_eval_items")
+    args = parse(parser, argv, "num_tokens", "heal_tokens", "screen_tokens", "lm_eval_items")
+    if args.window is not None and args.window < 1:
+        parser.error("--window must be at least 1")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -191,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         text=args.text,
         tokens=args.tokens,
         num_tokens=args.num_tokens,
-        window=args.window,
+        window=args.window or DEFAULT_WINDOW,
         threshold=args.threshold,
         max_group=args.max_group,
         max_width=args.max_width,

@@ -26,7 +26,7 @@ def decode_ratios(model: Path, entries: list[Entry], tp: int, vocab: int, workdi
         for entry in entries:
             fused = Path(tmp) / entry.label / "model.onnx"
             fused.parent.mkdir()
-            fuse_file(model, entry.plan, fused, validate_output=False)  # measured and validated already
+            fuse_file(model, entry.plan, fused, validate_output=False)  # fuse_onnx.py validates a kept plan
             dirs[entry.label] = Path(tmp) / f"{entry.label}-tp{tp}"
             shard_file(fused, tp, dirs[entry.label], progress=False)
         log(f"decoding the original and {len(entries)} plan(s) over TP {tp} (gloo), {reps} repetitions")

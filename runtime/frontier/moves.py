@@ -52,7 +52,8 @@ class Move:
 def ffn_moves(
     blocks: Sequence[Block], max_group: int | None = None, start_at_attention: bool = False
 ) -> list[Move]:
-    """Every FFN group of 2 or more SwiGLU FFNs inside an attention-free run, in both norm modes."""
+    """Every FFN group of 2 or more SwiGLU FFNs inside an attention-free run, first and last a SwiGLU, in
+    both norm modes."""
     barriers = [b.fusion_barrier for b in blocks]
     moves = []
     for a, end in attention_free_runs(barriers):
@@ -62,7 +63,10 @@ def ffn_moves(
                 members = blocks[i : j + 1]
                 if max_group is not None and len(members) > max_group:
                     break
-                if sum(b.has_swiglu for b in members) < 2 or not blocks[i].has_swiglu:
+                # It starts and ends at a SwiGLU: an FFN-free block at either end (an identity layer) would
+                # give a second name to the same fusion.
+                ends = blocks[i].has_swiglu and blocks[j].has_swiglu
+                if sum(b.has_swiglu for b in members) < 2 or not ends:
                     continue
                 moves.extend(Move("ffn", (i, j), norm) for norm in NORM_MODES)
     return moves

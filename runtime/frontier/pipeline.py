@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from exporters.hf.checkpoint import SIDE_FILES
 from passes.errors import UserError
+from passes.fuse import FuseFFNGroups
 from passes.io.model_io import load_model
 from passes.model_map import find_blocks, vocab_size
 from passes.pipeline import fuse_file
@@ -38,6 +39,7 @@ from runtime.frontier.moves import Move, dominated, ffn_moves, parallel_moves, w
 from runtime.frontier.report import Entry, FrontierReport
 from runtime.frontier.screen import PlanCosts
 from runtime.frontier.target import TargetOptions, resolve
+from runtime.heal.input_limits import RunShape
 from runtime.text_sets import calibration_windows, evaluation_sets
 
 
@@ -49,7 +51,7 @@ class FrontierOptions:
     text: Sequence[Path] | None = None  # calibration text for the move costs (default: text_sets')
     tokens: Path | None = None
     screen_tokens: int = 512  # calibration tokens for the move costs
-    window: int = 128
+    window: int | None = None  # tokens per window; None: the length the graph fixes, else 128
     eval_tokens: int = 1024  # held-out tokens per text set for each measured plan
     max_group: int | None = None
     start_at_attention: bool = False
@@ -90,9 +92,14 @@ def run_frontier(
     """Write out/frontier.json, frontier.md, frontier.png (and plan.json with a budget); return the report."""
     start = time.perf_counter()
     options.check()
-    blocks = find_blocks(load_model(model))
+    graph = load_model(model)
+    blocks = find_blocks(graph)
     target = resolve(options.target, blocks)
+    window = RunShape.of([model]).window(options.window)  # a graph that fixes its length sets the window
     moves = ffn_moves(blocks, options.max_group, options.start_at_attention)
+    reasons = {m: _refusal(m, graph, blocks) for m in moves}  # e.g. "fold" on int4 MatMulNBits weights
+    refused = [m for m in moves if reasons[m]]
+    moves = [m for m in moves if not reasons[m]]
     if options.block_group:
         moves += parallel_moves(blocks, options.block_group)
     if not moves:
@@ -104,11 +111,15 @@ def run_frontier(
     cache = out / "cache"
     say(f"target: {target.describe()}")
     counts = {k: sum(m.kind == k for m in moves) for k in ("ffn", "parallel")}
-    say(f"moves: {counts['ffn']} FFN groups (both norm modes), {counts['parallel']} parallel groups")
+    modes = " and ".join(n for n in NORM_MODES if any(m.norm == n for m in moves))
+    ffn = f"{counts['ffn']} FFN groups" + (f" (norm {modes})" if modes else "")
+    say(f"moves: {ffn}, {counts['parallel']} parallel groups")
+    if refused:
+        say(f"left out: {len(refused)} FFN groups the fusion refuses (first: {reasons[refused[0]]})")
 
     vocab = vocab_size(blocks)
     source = [options.tokens] if options.tokens else options.text
-    calib, where = calibration_windows(vocab, source, options.screen_tokens, options.window)
+    calib, where = calibration_windows(vocab, source, options.screen_tokens, window)
     costs = PlanCosts(model, calib, cache)
     missing = [m for m in moves if not costs.known(m.plan)]
     cached = len(moves) - len(missing)
@@ -149,7 +160,7 @@ def run_frontier(
         costs(plan)
     costs.close()  # the screener's sessions hold the original's weights: released before measuring
     # evaluate.py's default held-out text, so that `evaluate.py --max-tokens N --window W` reproduces a row.
-    texts = evaluation_sets(vocab, options.window, options.eval_tokens)
+    texts = evaluation_sets(vocab, window, options.eval_tokens)
     entries = _measure_all(model, out, plans, texts, costs, target, cache, progress, say, log)
     flags = dominated([(e.predicted_speedup, e.quality.kl) for e in entries])
     entries = [e.with_frontier(not d) for e, d in zip(entries, flags, strict=True)]
@@ -177,6 +188,17 @@ def run_frontier(
 
 def texts_info(texts) -> dict[str, list[str]]:
     return {t.name: list(t.files) for t in texts}
+
+
+def _refusal(move: Move, graph, blocks) -> str | None:
+    """Why the fusion pass refuses the move's plan (its `requires`; nothing is rewritten), or None."""
+    if move.kind != "ffn":
+        return None
+    try:
+        FuseFFNGroups(move.plan, list(blocks)).requires(graph)
+    except UserError as exc:
+        return str(exc)
+    return None
 
 
 def _summed(plan: Plan, costs: PlanCosts) -> float:

@@ -10,15 +10,26 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from passes.graph_inputs import Signature
 from passes.plan import Plan
 from passes.reference import parallel_blocks_sum, parallel_sum
 from passes.run.block_runner import BlockRunner
 from runtime.evaluate import kl_total
 from runtime.frontier.measure import model_key
+
+
+@dataclass
+class _Chunk:
+    """The original on one run's windows: the stream entering each block, the side tensors, the logits."""
+
+    inputs: list[np.ndarray]
+    side: dict[str, np.ndarray]
+    logits: np.ndarray
 
 
 class Screener:
@@ -28,9 +39,12 @@ class Screener:
     def __init__(self, model: Path, tokens: np.ndarray):
         self.runner = BlockRunner(model, threads=1)
         self.blocks = self.runner.blocks
-        outputs = self.runner.capture(tokens, extra=self.runner.tail_inputs())
-        self.inputs = [outputs[c.input_name] for c in self.runner.cuts]  # the stream entering each block
-        self.reference = self.runner.logits
+        step = Signature.of(model).batch_size(len(tokens))  # a graph that fixes its batch: that many at once
+        self.chunks: list[_Chunk] = []
+        for start in range(0, len(tokens), step):
+            outputs = self.runner.capture(tokens[start : start + step], extra=self.runner.tail_inputs())
+            inputs = [outputs[c.input_name] for c in self.runner.cuts]  # the stream entering each block
+            self.chunks.append(_Chunk(inputs, dict(self.runner.side), self.runner.logits))
         self.positions = int(np.prod(tokens.shape))
         self.runs = 0
 
@@ -39,8 +53,17 @@ class Screener:
         if not starts:
             return 0.0
         self.runs += 1
+        total = 0.0
+        for chunk in self.chunks:
+            self.runner.side = chunk.side
+            total += kl_total(chunk.logits, self._variant(starts, chunk.inputs, plan.norm))
+        return total / self.positions
+
+    def _variant(self, starts: dict[int, tuple[str, int]], inputs: list[np.ndarray], norm: str) -> np.ndarray:
+        """The plan's logits: the original stream up to its first group, then its groups and the blocks
+        between them."""
         k = min(starts)
-        x = self.inputs[k]
+        x = inputs[k]
         while k < len(self.blocks):
             if k not in starts:
                 x, k = self.runner.run_block(k, x), k + 1
@@ -49,11 +72,11 @@ class Screener:
             members = self.blocks[k : j + 1]
             if kind == "ffn":
                 ffn_in = x if members[0].attention_kind == "none" else self.runner.run_attention(k, x)
-                y = parallel_sum(ffn_in, members, plan.norm)
+                y = parallel_sum(ffn_in, members, norm)
             else:
                 y = parallel_blocks_sum(x, [self.runner.run_branches(m, x) for m in range(k, j + 1)])
             x, k = y.astype(x.dtype), j + 1
-        return kl_total(self.reference, self.runner.run_tail(x)) / self.positions
+        return self.runner.run_tail(x)
 
     def close(self) -> None:
         self.runner.close()
