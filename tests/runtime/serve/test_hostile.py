@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import json
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -211,8 +212,8 @@ def test_schemathesis_finds_no_5xx_and_no_schema_violation(tiny, tmp_path):
                 "--request-timeout",
                 "20",
                 "--no-color",
-                "--workers",
-                "2",
+                "--workers",  # one request at a time: two could together overfill the queue (n up to 64
+                "1",  # each), a 503 the load test covers; here the schema is what is tested
             ],
             capture_output=True,
             text=True,
@@ -222,7 +223,9 @@ def test_schemathesis_finds_no_5xx_and_no_schema_violation(tiny, tmp_path):
         assert httpx.get(running.url + "/health").status_code == 200
     summary = result.stdout[-3000:]
     assert result.returncode == 0, summary
-    generated = int(summary.split(" generated")[0].split()[-1])
+    counts = re.search(r"(\d+) generated", summary)  # "Test cases: 1833 generated, 1833 passed"
+    assert counts is not None, summary
+    generated = int(counts.group(1))
     assert generated >= 300 and "failures" not in summary.splitlines()[-1], summary
 
 
