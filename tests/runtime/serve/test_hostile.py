@@ -249,9 +249,11 @@ def test_load_under_faults(tmp_path_factory):
         assert outcomes["malformed"] == outcomes["4xx"] and outcomes["malformed"] >= 6
         assert outcomes["done"] == 64 - outcomes["malformed"] - outcomes["left"]
         assert outcomes["left"] >= 6
-        # 100 ms for 19 polls in 20; the tail is the machine's (2 shared cores), bounded at 0.5 s
+        # Measured on 2 quiet cores: every poll under 100 ms (worst 0.095 s in 80 rounds; docs/serving.md).
+        # Asserted with twice that margin for the worst poll on a shared CI machine; a full garbage
+        # collection of what loading left (0.3 s holding the GIL, before the server froze it) fails it.
         tail = sorted(latencies)
-        assert len(tail) >= 10 and tail[int(0.95 * len(tail)) - 1] < 0.1 and tail[-1] < 0.5, tail[-5:]
+        assert len(tail) >= 10 and tail[int(0.95 * len(tail)) - 1] < 0.1 and tail[-1] < 0.2, tail[-5:]
         assert abs(after - before) <= 0.1 * before, (before, after)
         assert httpx.get(url + "/health").status_code == 200
     finally:
