@@ -5,8 +5,9 @@ For each model in turn (one server at a time, so memory holds one model): tools/
 port, `lm_eval --model local-completions` scores the task(s) through it (DESIGN 11; default: the offline
 license_mc task of runtime.lm_tasks), and the server stops (always). Accuracy (acc, acc_norm and acc's
 standard error) is read from lm-eval's results JSON. Then runtime.evaluate compares each variant with the
-original on the held-out text, tokenized with the same tokenizer folder lm-eval uses; the original's own
-row is the reference (KL 0, top-1 1, its perplexity from the first comparison).
+original on the held-out text (the original's logits run once: ReferenceRun), tokenized with the same
+tokenizer folder lm-eval uses; the original's own row is the reference (KL 0, top-1 1, its perplexity from
+the first comparison).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 import httpx
 
 from passes.errors import UserError
-from runtime.evaluate import evaluate
+from runtime.evaluate import ReferenceRun
 from runtime.lm_tasks import LICENSE_TASK, license_task
 from runtime.ports import free_port
 from runtime.text_sets import EVALUATION_FILES, TextSet, read_texts, tokenize, windows
@@ -256,9 +257,11 @@ def quality(
     sets = held_out_sets(tokenizer, texts, window, max_tokens)
     log(f"held-out text: {', '.join(f'{s.name} {s.tokens} tokens' for s in sets)}")
     compared = []
-    for name, model in zip(names[1:] or ["original"], variants or [original], strict=True):
-        log(f"perplexity, KL and top-1 of {name} against the original ...")
-        compared.append(evaluate(original, model, sets, progress=False)[-1])  # pooled "all" when several
+    with tempfile.TemporaryDirectory(dir=out, prefix=".logits.") as logits:  # the original runs once for all
+        reference = ReferenceRun(original, sets, Path(logits), progress=False)
+        for name, model in zip(names[1:] or ["original"], variants or [original], strict=True):
+            log(f"perplexity, KL and top-1 of {name} against the original ...")
+            compared.append(reference.compare(model, progress=False)[-1])  # pooled "all" when several
     reference = (compared[0].tokens, compared[0].ppl_original)
     rows = [QualityRow("original", str(original), tuple(scores["original"]), *reference, 0.0, 1.0)]
     for name, model, result in zip(names[1:], variants, compared, strict=True):
