@@ -45,16 +45,7 @@ def test_frontier_lists_measured_plans_none_dominated(frontier):
     assert {p["norm"] for p in plans if p["groups"]} == {"last", "fold"}  # one walk per norm mode
     assert any(p.get("parallel_blocks") for p in plans)  # whole-block moves are on the walks too
     assert len({json.dumps(p, sort_keys=True) for p in plans}) == len(plans)
-    front = [e for e in entries if e["on_frontier"]]
-    for e in front:
-        assert not any(
-            o["predicted_speedup"] >= e["predicted_speedup"] and o["kl"] <= e["kl"]
-            and (o["predicted_speedup"] > e["predicted_speedup"] or o["kl"] < e["kl"])
-            for o in entries
-        ), e
-    for e in entries:  # off the frontier means beaten on both
-        if not e["on_frontier"]:
-            assert any(o["predicted_speedup"] >= e["predicted_speedup"] and o["kl"] <= e["kl"] for o in front)
+    assert_frontier(entries)
     assert "summing the moves' costs" in run.stdout
     assert (out / "frontier.png").stat().st_size > 10_000
     table = (out / "frontier.md").read_text()
@@ -152,3 +143,19 @@ def test_lm_eval_scores_the_frontier_through_the_server(tool, tmp_path):
     assert set(scored) == front and "original" in scored
     assert all(0 <= acc <= 1 for acc in scored.values())
     assert "lm-eval acc" in (out / "frontier.md").read_text()
+
+
+def assert_frontier(entries: list[dict]) -> list[dict]:
+    """The entries on the frontier: none dominated by any measured plan (as fast or faster and as close or
+    closer, strictly better in one), and every entry off it beaten on both by one on it."""
+    front = [e for e in entries if e["on_frontier"]]
+    for e in front:
+        assert not any(
+            o["predicted_speedup"] >= e["predicted_speedup"] and o["kl"] <= e["kl"]
+            and (o["predicted_speedup"] > e["predicted_speedup"] or o["kl"] < e["kl"])
+            for o in entries
+        ), e
+    for e in entries:
+        if not e["on_frontier"]:
+            assert any(o["predicted_speedup"] >= e["predicted_speedup"] and o["kl"] <= e["kl"] for o in front)
+    return front

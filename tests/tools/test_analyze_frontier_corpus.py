@@ -18,6 +18,7 @@ from passes.io.model_io import load_model, save_model
 from passes.model_map import find_blocks
 from passes.plan import parse_plan, validate_plan
 from runtime.frontier.moves import ffn_moves
+from tests.tools.test_analyze_frontier import assert_frontier
 
 KEYS = {"plan", "predicted_speedup", "kl", "ppl", "top1", "on_frontier"}
 # SmolLM2 is 135M parameters: one step per walk, FFN pairs, a few tokens; parallel pairs where PAIRS is added.
@@ -55,16 +56,7 @@ def check_frontier(model: Path, out: Path, budget: list) -> list[dict]:
         validate_plan(parse_plan(e["plan"]), blocks)  # a UserError fails the test
     plans = [json.dumps(e["plan"], sort_keys=True) for e in entries]
     assert len(set(plans)) == len(plans)
-    front = [e for e in entries if e["on_frontier"]]
-    for e in front:
-        assert not any(
-            o["predicted_speedup"] >= e["predicted_speedup"] and o["kl"] <= e["kl"]
-            and (o["predicted_speedup"] > e["predicted_speedup"] or o["kl"] < e["kl"])
-            for o in entries
-        ), e
-    for e in entries:
-        if not e["on_frontier"]:
-            assert any(o["predicted_speedup"] >= e["predicted_speedup"] and o["kl"] <= e["kl"] for o in front)
+    front = assert_frontier(entries)
     chosen = json.loads((out / "plan.json").read_text())
     entry = next(e for e in entries if e["plan"] == chosen)
     fusing = [e for e in front if e["plan"]["groups"] or e["plan"].get("parallel_blocks")]
