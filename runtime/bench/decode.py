@@ -34,7 +34,7 @@ from passes.shard import count_allreduces, rank_onnx_files, read_manifest, shard
 from runtime.backends import TpRankBackend
 from runtime.generate import DecodeModel, GenerationStats, greedy_generate
 from runtime.ports import free_port
-from runtime.tp.gloo import init_gloo
+from runtime.tp.gloo import die_with_parent, init_gloo
 
 FORMAT = "ffn-fusion-bench/1"
 
@@ -171,6 +171,7 @@ def _gloo_bench_worker(
 ) -> None:
     import torch.distributed as dist  # torch only in the rank processes of the TP benchmark
 
+    die_with_parent()
     init_gloo(rank, world, port)
     try:
         models = {name: DecodeModel(TpRankBackend(d, rank, world, threads)) for name, d in dirs.items()}

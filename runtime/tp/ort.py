@@ -26,7 +26,7 @@ from passes.graph_inputs import Signature
 from passes.io.sessions import CPU, open_session
 from passes.shard import COLLECTIVE_OP, rank_onnx_files, read_manifest
 from runtime.ports import free_port
-from runtime.tp.gloo import init_gloo
+from runtime.tp.gloo import die_with_parent, init_gloo
 
 __all__ = [
     "Collective",
@@ -369,6 +369,7 @@ def run_distributed(directory: str | Path, tokens: np.ndarray, threads: int = 1)
 def _gloo_worker(rank: int, world: int, port: int, directory: str, tokens: np.ndarray, out: str) -> None:
     import torch.distributed as dist  # as in torch_collective
 
+    die_with_parent()
     init_gloo(rank, world, port)
     try:
         program = RankProgram(rank_onnx_files(directory)[rank], threads=1)
