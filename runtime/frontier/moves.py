@@ -105,17 +105,19 @@ def walk(
     max_steps: int | None = None,
     max_cost: float | None = None,
     cheapest: bool = False,
+    until: float | None = None,
 ) -> list[Step]:
     """The greedy walk for one norm mode: FFN moves of `norm` and every parallel move; each step adds the
     move with the largest (speedup gained) / (summed cost added), swallowing the FFN groups it contains.
     With `max_cost`, only moves that keep the summed cost within it (a budget's walk: one large move taken
     early must not jump over the plans a small budget allows). `cheapest`: the move adding the least cost
-    instead (the walk that fills the low-KL end below the ratio walk's first plan)."""
+    instead (the walk that fills the low-KL end below the ratio walk's first plan). `until`: stop at the
+    first plan at least this fast (a speedup floor's walk: cheapest-first up to the floor)."""
     usable = [m for m in moves if m.kind == "parallel" or m.norm == norm]
     state: tuple[Move, ...] = ()
     current, spent = speedup(plan_of(state, norm)), 0.0
     steps: list[Step] = []
-    while max_steps is None or len(steps) < max_steps:
+    while (max_steps is None or len(steps) < max_steps) and (until is None or current < until):
         best = None
         for move in usable:
             if move in state:

@@ -4,7 +4,8 @@
    of full blocks for a parallel group (paper section 6).
 2. Each move's cost measured alone on calibration tokens (screen.py: KL of the final logits).
 3. Greedy walks, one per norm mode (moves.py), by predicted speedup (target.py, the latency model) gained
-   per unit of summed cost; with --max-kl one more per mode within it; with a paper target, the paper's
+   per unit of summed cost; a cheapest-first one below its first plan; with --max-kl one more per mode
+   within it, with --min-speedup a cheapest-first one up to the floor; with a paper target, the paper's
    own plans join them.
 4. Every plan of the walks fused and measured whole on held-out text (measure.py, cached), beside its
    whole-plan calibration cost, to show where summing the moves' costs was wrong.
@@ -149,7 +150,10 @@ def run_frontier(
         walks = {"": ratio, "c": cheap}
         if options.max_kl is not None:
             walks["b"] = walk(moves, norm, cost, target.speedup, options.max_steps, options.max_kl)
-        for suffix, steps in walks.items():  # "c": the cheapest-first walk, "b": the budget's walk
+        if options.min_speedup is not None:  # cheapest-first up to the floor: the least cost that reaches it
+            walks["s"] = walk(moves, norm, cost, target.speedup, options.max_steps, cheapest=True,
+                              until=options.min_speedup)
+        for suffix, steps in walks.items():  # "c": cheapest-first walk, "b" / "s": a KL / speedup budget's
             for k, step in enumerate(steps, 1):
                 plans.setdefault(step.plan.to_json(), (step.plan, f"{norm[0]}{k}{suffix}", step.summed_cost))
     if target.paper is not None:

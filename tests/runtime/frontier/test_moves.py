@@ -93,3 +93,13 @@ def test_the_cheapest_walk_fills_the_low_kl_end():
     assert first.plan == Plan((), "last", ((0, 3),))
     low = walk(moves, "last", costs.__getitem__, speedup_by_steps, first.summed_cost * 0.999, cheapest=True)
     assert [s.plan for s in low] == [Plan(((12, 13),), "last")]  # + [10, 11] would cost 0.055
+
+
+def test_a_speedup_floors_walk_stops_at_the_floor_by_the_cheapest_moves():
+    """--min-speedup: cheapest-first until the floor. The ratio walk reaches 1.015 with the parallel group
+    (cost 0.05); the floor's walk takes the cheaper pair first, then the other (0.055 in all)."""
+    moves = [Move("parallel", (0, 3)), Move("ffn", (10, 11), "last"), Move("ffn", (12, 13), "last")]
+    costs = {moves[0]: 0.05, moves[1]: 0.03, moves[2]: 0.025}
+    floor = walk(moves, "last", costs.__getitem__, speedup_by_steps, cheapest=True, until=1.015)
+    assert [s.plan for s in floor] == [Plan(((12, 13),), "last"), Plan(((10, 11), (12, 13)), "last")]
+    assert floor[-1].predicted_speedup >= 1.015 > floor[-2].predicted_speedup  # the first to reach it
