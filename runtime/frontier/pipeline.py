@@ -151,8 +151,10 @@ def run_frontier(
         if options.max_kl is not None:
             walks["b"] = walk(moves, norm, cost, target.speedup, options.max_steps, options.max_kl)
         if options.min_speedup is not None:  # cheapest-first up to the floor: the least cost that reaches it
-            walks["s"] = walk(moves, norm, cost, target.speedup, options.max_steps, cheapest=True,
-                              until=options.min_speedup)
+            floor = walk(moves, norm, cost, target.speedup, options.max_steps, cheapest=True,
+                         until=options.min_speedup)
+            reached = floor and floor[-1].predicted_speedup >= options.min_speedup
+            walks["s"] = floor if reached else []  # a floor no walk reaches: nothing to measure for it
         for suffix, steps in walks.items():  # "c": cheapest-first walk, "b" / "s": a KL / speedup budget's
             for k, step in enumerate(steps, 1):
                 plans.setdefault(step.plan.to_json(), (step.plan, f"{norm[0]}{k}{suffix}", step.summed_cost))
