@@ -1,7 +1,7 @@
 """A plan measured whole: fused from the original (passes.pipeline.fuse_file) and compared with the original
 on held-out text, the original's logits run once (ReferenceRun). A plan fused only to be measured is not
 validated against the parallel-sum reference (the measurement itself compares it with the original; the
-validation was 40% of a plan's time): the files a user keeps are (`fuse`, and fuse_onnx.py for the chosen
+validation was 40% of a plan's time); a file a user keeps is (`fuse` here, fuse_onnx.py for the chosen
 plan). ONNX Runtime runs on one thread: two threads spin on a busy machine for no gain in CPU time.
 Results are kept in a cache folder keyed by the model's files and the text settings, one JSON file per
 plan, so that a second run (another budget, another target) measures nothing again."""

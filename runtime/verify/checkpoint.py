@@ -44,7 +44,7 @@ from passes.error_measures import max_abs_relative_error
 from passes.io.model_io import load_model, save_model
 from passes.model_map import PLAN_METADATA_KEY, find_blocks
 from passes.validate import default_tokens
-from runtime.verify.common import logits, metadata_json
+from runtime.verify.common import logits, metadata_json, round_through
 from runtime.verify.options import VerifyOptions
 from runtime.verify.records import VerifyReport
 
@@ -96,29 +96,19 @@ def verify_checkpoint(report: VerifyReport, options: VerifyOptions) -> None:
         if not block_table(report, config, source_blocks, back_blocks):
             return
         pairs = _pairs(source, reimport, source_blocks, back_blocks, source_layers)
-        rounded = _tensors(report, pairs, folder)
+        dtypes = _tensors(report, pairs, folder)
         tokens = default_tokens(source_blocks, report.original, options.seq)
         del reimport
         reference_path = report.original
-        if rounded:  # ORIGINAL with its weights rounded as the checkpoint holds them, one tensor at a time
-            for name, dtype in rounded.items():
+        if dtypes:  # ORIGINAL with its weights rounded as the checkpoint holds them, one tensor at a time
+            for name, dtype in dtypes.items():
                 value = source.graph.initializers[name]
-                value.const_value = _rounded(value.const_value, dtype)
+                value.const_value = round_through(value.const_value, dtype)
             reference_path = Path(tmp) / "rounded" / "model.onnx"
             reference_path.parent.mkdir()
             save_model(source, reference_path, external=True)
         del source
-        _logits(report, options, logits(reference_path, tokens), logits(back, tokens), bool(rounded))
-
-
-def _rounded(tensor: ir.TensorProtocol, dtype: np.dtype) -> ir.LazyTensor:
-    """`tensor` rounded through `dtype` (nearest even) in its own dtype, computed when it is written."""
-
-    def compute() -> ir.TensorProtocol:
-        array = np.asarray(tensor.numpy()).astype(np.float32).astype(dtype).astype(np.float32)
-        return ir.tensor(array.astype(tensor.dtype.numpy()), dtype=tensor.dtype, name=tensor.name)
-
-    return ir.LazyTensor(compute, dtype=tensor.dtype, shape=tensor.shape, name=tensor.name)
+        _logits(report, options, logits(reference_path, tokens), logits(back, tokens), bool(dtypes))
 
 
 def block_table(

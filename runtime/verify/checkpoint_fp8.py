@@ -57,7 +57,7 @@ from passes.patterns.linear import FloatWeight, find_linears
 from passes.quant.calibrate import FP8_MAX
 from passes.quant.fp8 import weight_bands
 from passes.validate import default_tokens
-from runtime.verify.common import logits, metadata_json
+from runtime.verify.common import logits, metadata_json, round_through
 from runtime.verify.fp8 import is_fp8
 from runtime.verify.options import VerifyOptions
 from runtime.verify.records import VerifyReport
@@ -306,16 +306,6 @@ def dequantized_copy(folder: Path, config: dict, entries: dict[str, TensorEntry]
     return target
 
 
-def _rounded(tensor: ir.TensorProtocol, dtype: np.dtype) -> ir.LazyTensor:
-    """`tensor` rounded through `dtype` (nearest even), in its own dtype, computed when written."""
-
-    def compute() -> ir.TensorProtocol:
-        array = np.asarray(tensor.numpy()).astype(np.float32).astype(dtype).astype(np.float32)
-        return ir.tensor(array.astype(tensor.dtype.numpy()), dtype=tensor.dtype, name=tensor.name)
-
-    return ir.LazyTensor(compute, dtype=tensor.dtype, shape=tensor.shape, name=tensor.name)
-
-
 def _quantized(tensor: ir.TensorProtocol, scale: np.float32) -> ir.LazyTensor:
     """`tensor` replaced by its dequantized per-tensor Q: Q(w, scale) x scale, in float32."""
 
@@ -364,7 +354,7 @@ def _logits(
         reference = load_model(report.original)
         initializers = reference.graph.initializers
         for name, dtype in rounded.items():
-            initializers[name].const_value = _rounded(initializers[name].const_value, dtype)
+            initializers[name].const_value = round_through(initializers[name].const_value, dtype)
         if per_tensor:
             for name, scale in scales.items():
                 initializers[name].const_value = _quantized(initializers[name].const_value, scale)

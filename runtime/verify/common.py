@@ -46,7 +46,7 @@ def logits(path: Path, tokens: np.ndarray) -> np.ndarray:
     proto = load_proto(path)
     view = half_view(path, proto)
     whole_only = any(t.data_type == onnx.TensorProto.FLOAT8E4M3FN for t in proto.graph.initializer) or (
-        view is not None and any(v.type.tensor_type.elem_type in HALF_TYPES for v in proto.graph.input)
+        view is not None and has_half_input(proto)
     )
     if not whole_only and weight_bytes(ir.serde.deserialize_model(proto)) > block_runner.STREAMING_BYTES:
         return block_runner.model_logits(path, tokens, view=view)  # (sizes read from the headers only)
@@ -55,6 +55,23 @@ def logits(path: Path, tokens: np.ndarray) -> np.ndarray:
     signature = Signature.of(proto)
     session = open_session(proto, folder=path.parent, prepack=False)
     return session.run([signature.logits.name], signature.feeds(tokens))[0]
+
+
+def round_through(tensor: ir.TensorProtocol, dtype: np.dtype) -> ir.LazyTensor:
+    """`tensor` rounded through `dtype` (nearest even) in its own dtype, computed when it is written: the
+    source as a checkpoint of that dtype holds it."""
+
+    def compute() -> ir.TensorProtocol:
+        array = np.asarray(tensor.numpy()).astype(np.float32).astype(dtype).astype(np.float32)
+        return ir.tensor(array.astype(tensor.dtype.numpy()), dtype=tensor.dtype, name=tensor.name)
+
+    return ir.LazyTensor(compute, dtype=tensor.dtype, shape=tensor.shape, name=tensor.name)
+
+
+def has_half_input(proto: onnx.ModelProto) -> bool:
+    """A float16/bfloat16 graph input (a KV cache): a streamed capture feeds the graph's own input types,
+    which a block's float32 view no longer has."""
+    return any(v.type.tensor_type.elem_type in HALF_TYPES for v in proto.graph.input)
 
 
 def half_view(path: Path, proto: onnx.ModelProto) -> Callable[[onnx.ModelProto], onnx.ModelProto] | None:

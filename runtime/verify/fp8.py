@@ -20,8 +20,8 @@ from passes.patterns.linear import FloatWeight, find_linears
 from passes.quant.fp8 import channel_scales, to_fp8, weight_bands
 from passes.run import block_runner
 from passes.run.block_runner import BlockRunner
-from passes.validate import HALF_TYPES, default_tokens
-from runtime.verify.common import half_view, logits, same_initializers
+from passes.validate import default_tokens
+from runtime.verify.common import half_view, has_half_input, logits, same_initializers
 from runtime.verify.options import VerifyOptions
 from runtime.verify.records import VerifyReport
 
@@ -132,7 +132,7 @@ def _streamed_logits(
         return None
     protos = [load_proto(p) for p in (report.original, report.artifact)]
     views = [half_view(p, proto) for p, proto in zip((report.original, report.artifact), protos, strict=True)]
-    if any(v.type.tensor_type.elem_type in HALF_TYPES for proto in protos for v in proto.graph.input):
+    if any(has_half_input(proto) for proto in protos):
         report.notes.append("a half-precision graph input: the logits check runs whole (not block by block)")
         return None
     produced = {v.name for v in protos[1].graph.input} | {o for n in protos[1].graph.node for o in n.output}

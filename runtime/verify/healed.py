@@ -174,7 +174,7 @@ def _final_stream(runner: BlockRunner, windows: np.ndarray) -> np.ndarray:
     """The stream leaving the last block for `windows`, one block loaded at a time: the prefix (embedding,
     rotary tables, masks: the side tensors every block reads), then each block on the stream of the last."""
     first = runner.cuts[0].input_name
-    x = runner.capture(windows, extra=[first], only=True)[first]  # (runs the prefix and block 0 only)
+    x = runner.capture(windows, only=True)[first]  # the prefix alone (asking for `first` also ran block 0)
     for k in range(len(runner.cuts)):
         x = runner.run_block(k, x)
     return x
