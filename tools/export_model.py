@@ -1,5 +1,5 @@
-"""Export a model to ONNX: a Hugging Face checkpoint folder (graph built with onnx-ir, weights streamed;
---decode traces with torch), or SmolLM2-135M, a JSON spec or Puzzle-49B's shape (torch.onnx dynamo exporter).
+"""Export a model to ONNX: a Hugging Face checkpoint folder (prefill or --decode graph built with onnx-ir,
+weights streamed), or SmolLM2-135M, a JSON spec or Puzzle-49B's shape (torch.onnx dynamo exporter).
 
 Examples:
   python tools/export_model.py --hf Llama-3_3-Nemotron-Super-49B-v1 -o super49b/model.onnx

@@ -12,11 +12,11 @@ How (see docs/export.md, "Hugging Face checkpoints"); each step is its own modul
    starts writing the data file at once, straight from the shards (exporters.hf.data_file): kernel copies
    when the dtype is kept, row chunks converted with numpy when it changes (exporters.hf.dtype_convert).
    Peak memory stays at the graph plus one chunk.
-3. Meanwhile the prefill graph is built directly with onnx-ir from the config (exporters.hf.prefill_graph,
-   no torch, a fraction of a second): every weight is an initializer named as its checkpoint tensor, with
-   a shape and no value (linear weights stay [out, in], read through Transpose). The --decode graph is
-   traced from exporters/decode.py's torch model on the meta device (exporters.hf.decode_trace) with
-   torch.onnx.export(dynamo=True); its parameters become value-less initializers the same way.
+3. Meanwhile the graph is built directly with onnx-ir from the config (no torch, a fraction of a second):
+   the prefill graph (exporters.hf.prefill_graph) or, for --decode, the KV-cache decode graph of
+   exporters/decode.py's interface (exporters.hf.decode_graph, the same layer code). Every weight is an
+   initializer named as its checkpoint tensor, with a shape and no value (linear weights stay [out, in],
+   read through Transpose).
 4. Each value-less initializer becomes an external-data reference to its place in `<model>.data`.
 
 Everything is written into a staging folder beside the output and moved into place at the end, so a
@@ -45,7 +45,7 @@ from exporters.hf.weight_sources import WeightSource, check_folder
 from passes.errors import UserError
 from passes.io.staging import commit_output, staged_output
 
-if TYPE_CHECKING:  # onnx_ir (~1.5 s to import) and torch (--decode only) load once the weight copy runs
+if TYPE_CHECKING:  # onnx_ir (~1.5 s to import) loads once the weight copy runs
     import onnx_ir as ir
 
     from exporters.decode_spec import DecodeSpec
@@ -65,8 +65,8 @@ SIDE_FILES = (
     "chat_template.json",
 )
 METADATA_KEY = "ffn_fusion.hf"
-# exporters.hf.prefill_graph's ops mean the same from opset 18 (ReduceMean's axes as an input) to 23.
-PREFILL_OPSETS = range(18, 24)
+# The prefill and decode graphs' ops mean the same from opset 18 (ReduceMean's axes as an input) to 23.
+GRAPH_OPSETS = range(18, 24)
 
 
 @dataclass(kw_only=True)
@@ -77,7 +77,7 @@ class HfExportResult(ExportResult):
     dtype: str
     side_files: list[Path] = field(default_factory=list)
     layer_kinds: list[str] = field(default_factory=list)
-    trace_seconds: float = 0.0  # building the graph (for --decode: importing torch, tracing, optimizing)
+    trace_seconds: float = 0.0  # building the graph (importing onnx_ir included)
     write_seconds: float = 0.0  # streaming the weights into the data file (from the start, at the same time)
     cache_layers: list[int] = field(default_factory=list)  # decode graphs: the layers with a KV cache (GQA)
 
@@ -102,19 +102,19 @@ def export_hf(
     """Export the checkpoint in `folder` to `output` (+ `<output>.data` and the side files beside it).
 
     `dtype` (float32 | float16 | bfloat16) defaults to the checkpoint's torch_dtype. `decode` writes the
-    KV-cache decode graph of exporters/decode.py instead (float32; one cache per softmax-attention layer,
-    with that layer's KV heads; see exporters.hf.config.decode_spec for what it covers). Raises UserError
-    for bad input before anything is written. The prefill export never imports torch.
+    KV-cache decode graph of exporters/decode.py's interface instead (float32; one cache per
+    softmax-attention layer, with that layer's KV heads; exporters.hf.decode_graph). Raises UserError for
+    bad input before anything is written. Neither export imports torch.
     """
     start = time.perf_counter()
     folder, output = Path(folder), Path(output)
     if decode and dtype not in (None, "float32"):
         raise UserError(f"--decode writes float32 graphs (float32 KV cache); drop --dtype {dtype}")
-    if opset is not None and not decode and opset not in PREFILL_OPSETS:
-        first, last = PREFILL_OPSETS[0], PREFILL_OPSETS[-1]
+    if opset is not None and opset not in GRAPH_OPSETS:
+        first, last = GRAPH_OPSETS[0], GRAPH_OPSETS[-1]
         raise UserError(f"--opset {opset}: the --hf graph is written at opset {first} to {last}")
     config, sources, dtype = check_folder(folder, "float32" if decode else dtype)
-    spec = decode_spec(config) if decode else None
+    spec = decode_spec(config, torch_model=False) if decode else None
     kind = "the decode graph of " if decode else ""
     log(f"exporting {kind}{folder} to {output} ({dtype}; weights streamed from the safetensors) ...")
     placements = place_weights(sources, ITEMSIZE[dtype])
@@ -171,17 +171,17 @@ def build_graph(
     dtype: str,
     opset: int | None,
 ) -> ir.Model:
-    """The graph with value-less weights: the decode graph traced for a `spec`, else the prefill graph
-    built with onnx-ir. Its weights must be the source tensors, shape for shape."""
-    # Imported here, not at the top: the weight copy starts before onnx_ir (and, for --decode, torch) load.
+    """The graph with value-less weights, built with onnx-ir: the decode graph for a `spec`, else the
+    prefill graph. Its weights must be the source tensors, shape for shape."""
+    # Imported here, not at the top: the weight copy starts before onnx_ir loads.
     if spec is None:
         from exporters.hf.prefill_graph import build_prefill
 
         model = build_prefill(config, dtype, opset)
     else:
-        from exporters.hf.decode_trace import decode_traceable, trace
+        from exporters.hf.decode_graph import build_decode
 
-        model = trace(decode_traceable(config, spec), opset)
+        model = build_decode(config, spec, opset)
     _check_weights(model, sources)
     return model
 

@@ -415,20 +415,22 @@ def layer_kinds(config: HfConfig) -> list[str]:
     return kinds
 
 
-def decode_spec(config: HfConfig) -> DecodeSpec:
-    """The exporters.decode spec of this checkpoint, or UserError naming what the decode graph lacks.
+def decode_spec(config: HfConfig, *, torch_model: bool = True) -> DecodeSpec:
+    """The exporters.decode spec of this checkpoint, or UserError naming what the torch model lacks.
 
     Every Nemotron-NAS layer kind is covered: GQA with per-layer KV heads (one cache per such layer, with
     its own head count), attention no_op or one Linear (no cache), SwiGLU of per-layer width, FFN no_op or
-    one Linear. Not covered: attention biases, sliding windows, and rotary types other than the fixed-
-    frequency ones (default, linear, llama3); the graph and its caches are float32.
+    one Linear. exporters/decode.py's torch model (`torch_model`, which runtime.prune runs) lacks attention
+    biases, sliding windows, and rotary types other than the fixed-frequency ones (default, linear,
+    llama3); the onnx-ir decode graph (exporters.hf.decode_graph, `torch_model=False`) reads all of those
+    from the config as the prefill graph does. Both are float32.
     """
     where = f"{config.path}: --decode"
-    if config.qkv_bias or config.o_bias:
+    if torch_model and (config.qkv_bias or config.o_bias):
         raise UserError(f"{where} does not support attention biases (attention_bias / Qwen2)")
-    if any(layer.sliding_window for layer in config.layers):
+    if torch_model and any(layer.sliding_window for layer in config.layers):
         raise UserError(f"{where} does not support sliding-window attention (sliding_window)")
-    if config.rope.rope_type not in ("default", "linear", "llama3"):
+    if torch_model and config.rope.rope_type not in ("default", "linear", "llama3"):
         raise UserError(
             f"{where} supports rope types default, linear and llama3, not {config.rope.rope_type!r}"
         )

@@ -7,6 +7,11 @@ input `input_ids` int64 [batch, seq], one output `logits` float32 [batch, seq, v
 an initializer named as its safetensors tensor, with a shape and no value (exporters.hf.data_file points
 it at the data file); a tied lm_head reads the embedding's one initializer.
 
+`ModelGraph` is the forward pass itself (norms, linear layers, SwiGLU, rotary, GQA); `_Prefill` gives it
+the prefill graph's positions (0..seq-1) and causal masks. exporters.hf.decode_graph builds the KV-cache
+decode graph on the same class: positions and masks from an attention_mask, keys and values appended to
+a cache.
+
 The graph computes what transformers' LlamaForCausalLM / DeciLM forward computes, in the op forms the
 torch dynamo exporter writes for it, so the passes read it as before (docs/export.md, "Hugging Face
 checkpoints"):
@@ -43,7 +48,7 @@ IR_DTYPES = {"float32": ir.DataType.FLOAT, "float16": ir.DataType.FLOAT16, "bflo
 FLOAT = ir.DataType.FLOAT
 INT64 = ir.DataType.INT64
 INT64_MAX = np.iinfo(np.int64).max
-BATCH, SEQ = "batch", "seq"
+BATCH, SEQ = "batch", "seq"  # dim names; a decode graph's keys also span TOTAL (past + new)
 
 
 class _Builder:
@@ -110,23 +115,51 @@ class _Builder:
         return name if count == 0 else f"{name}_{count}"
 
 
-class _Prefill:
-    """The graph of one config, built in forward order."""
+class ModelGraph:
+    """The forward pass of one config, built in forward order. A subclass says what differs between graphs:
+    the extra inputs (`_inputs`), the rotary positions (`_positions`, `_position_count`), the additive
+    attention mask (`_mask`) and what attention does with a layer's new keys and values (`_keys`)."""
+
+    KEYS = SEQ  # the dim name of the keys attention reads (a decode graph's: past + new)
 
     def __init__(self, config: HfConfig, dtype: ir.DataType) -> None:
         self.config, self.dtype, self.b = config, dtype, _Builder()
         self.hidden, self.head_dim = config.hidden, config.head_dim
         self.input_ids = ir.Value(name="input_ids", type=ir.TensorType(INT64), shape=ir.Shape([BATCH, SEQ]))
+        self.outputs: list[ir.Value] = []  # after logits (a decode graph's present keys and values)
         self._shapes: dict[tuple, ir.Value] = {}
         self._masks: dict[int | None, ir.Value] = {}  # by sliding window (None: causal only)
-        self._full: ir.Value | None = None  # -inf [seq, seq]
-        self._causal: ir.Value | None = None
+
+    # ------------------------------------------------------------------------------ what subclasses give
+
+    def _inputs(self) -> list[ir.Value]:
+        """The graph inputs besides input_ids."""
+        return []
+
+    def _positions(self) -> tuple[ir.Value, list[int | str]]:
+        """Rotary positions in float32 and their shape ([seq] or [batch, seq])."""
+        raise NotImplementedError
+
+    def _position_count(self, positions: ir.Value) -> ir.Value:
+        """float32 [1]: the largest position + 1 (dynamic NTK's sequence length)."""
+        raise NotImplementedError
+
+    def _mask(self, window: int | None) -> ir.Value:
+        """The additive mask a layer's scores [batch, kv, group, seq, KEYS] add (None: no sliding window)."""
+        raise NotImplementedError
+
+    def _keys(self, index: int, k: ir.Value, v: ir.Value, kv: int) -> tuple[ir.Value, ir.Value]:
+        """The keys and values layer `index` attends to, given its new ones [batch, kv, seq, head_dim]."""
+        return k, v
+
+    # ------------------------------------------------------------------------------------------ the graph
 
     def build(self) -> ir.Graph:
         b, config = self.b, self.config
         with b.scope("model"):
             self.batch = b.op("Shape", [self.input_ids], INT64, [1], start=0, end=1)
             self.seq = b.op("Shape", [self.input_ids], INT64, [1], start=1, end=2)
+        inputs = self._inputs()
         embedding = b.weight("model.embed_tokens.weight", [config.vocab, self.hidden], self.dtype)
         with b.scope("model.embed_tokens"):
             x = b.op("Gather", [embedding, self.input_ids], self.dtype, [BATCH, SEQ, self.hidden], axis=0)
@@ -141,8 +174,8 @@ class _Prefill:
                 logits = b.op("Cast", [logits], FLOAT, [BATCH, SEQ, config.vocab], to=FLOAT)
         logits.name = "logits"
         return ir.Graph(
-            [self.input_ids],
-            [logits],
+            [self.input_ids, *inputs],
+            [logits, *self.outputs],
             nodes=b.nodes,
             initializers=list(b.initializers.values()),
             opset_imports={"": OPSET},
@@ -152,40 +185,38 @@ class _Prefill:
     # ------------------------------------------------------------------------------------ shared inputs
 
     def _rotary(self) -> tuple[ir.Value, ir.Value]:
-        """cos, sin [1, 1, seq, head_dim] for positions 0..seq-1, in the graph's dtype."""
+        """cos, sin [1, 1, seq, head_dim] (positions [seq]) or [batch, 1, seq, head_dim] (positions
+        [batch, seq]), in the graph's dtype."""
         b, rope, half, dim = self.b, self.config.rope, self.head_dim // 2, self.head_dim
         inv_freq, attention_factor = rope_parameters(rope, dim)
-        with b.scope("model"):
-            length = b.op("Squeeze", [self.seq], INT64, [])
-            length = b.op("Cast", [length], FLOAT, [], to=FLOAT)
-            positions = b.op(
-                "Range", [b.const("zero", 0.0, FLOAT), length, b.const("one", 1.0, FLOAT)], FLOAT, [SEQ]
-            )
+        positions, lead = self._positions()
+        # [seq] -> [1, 1, seq, d]; [batch, seq] -> [batch, 1, seq, d]
+        axes, table_shape = ((0, 1), [1, 1, SEQ, dim]) if len(lead) == 1 else ((1,), [BATCH, 1, SEQ, dim])
         with b.scope("model.rotary_emb"):
             if rope.rope_type == "dynamic":
                 frequencies = self._dynamic_frequencies(positions)
             else:
                 frequencies = b.const("model.rotary_emb.inv_freq", inv_freq[None, :], FLOAT)
-            column = b.op("Unsqueeze", [positions, b.ints(1)], FLOAT, [SEQ, 1])
-            angles = b.op("Mul", [column, frequencies], FLOAT, [SEQ, half])
-            angles = b.op("Concat", [angles, angles], FLOAT, [SEQ, dim], axis=-1)
+            column = b.op("Unsqueeze", [positions, b.ints(len(lead))], FLOAT, [*lead, 1])
+            angles = b.op("Mul", [column, frequencies], FLOAT, [*lead, half])
+            angles = b.op("Concat", [angles, angles], FLOAT, [*lead, dim], axis=-1)
             tables = []
             for op in ("Cos", "Sin"):
-                table = b.op(op, [angles], FLOAT, [SEQ, dim])
+                table = b.op(op, [angles], FLOAT, [*lead, dim])
                 if attention_factor != 1.0:
                     factor = b.const("model.rotary_emb.attention_factor", attention_factor, FLOAT)
-                    table = b.op("Mul", [table, factor], FLOAT, [SEQ, dim])
-                tables.append(b.op("Unsqueeze", [table, b.ints(0, 1)], FLOAT, [1, 1, SEQ, dim]))
+                    table = b.op("Mul", [table, factor], FLOAT, [*lead, dim])
+                tables.append(b.op("Unsqueeze", [table, b.ints(*axes)], FLOAT, table_shape))
         if self.dtype != FLOAT:
             with b.scope("model"):
-                tables = [b.op("Cast", [t], self.dtype, [1, 1, SEQ, dim], to=self.dtype) for t in tables]
+                tables = [b.op("Cast", [t], self.dtype, table_shape, to=self.dtype) for t in tables]
         return tables[0], tables[1]
 
     def _dynamic_frequencies(self, positions: ir.Value) -> ir.Value:
-        """transformers' dynamic NTK for a fresh model: the base grows once seq passes max_positions."""
+        """transformers' dynamic NTK: the base grows once the largest position + 1 passes max_positions
+        (for a cache filled in order, what its stateful rotary module holds at each call)."""
         b, rope, dim = self.b, self.config.rope, self.head_dim
-        last = b.op("Slice", [positions, b.ints(-1), b.ints(INT64_MAX), b.ints(0), b.ints(1)], FLOAT, [1])
-        length = b.op("Add", [last, b.const("one", 1.0, FLOAT)], FLOAT, [1])
+        length = self._position_count(positions)
         max_positions = b.const("rope.max_positions", float(rope.max_positions), FLOAT)
         length = b.op("Clip", [length, max_positions], FLOAT, [1])
         scaled = b.op("Mul", [length, b.const("rope.factor", rope.factor, FLOAT)], FLOAT, [1])
@@ -197,24 +228,6 @@ class _Prefill:
         powers = b.op("Pow", [base, table], FLOAT, [dim // 2])
         inv_freq = b.op("Reciprocal", [powers], FLOAT, [dim // 2])
         return b.op("Unsqueeze", [inv_freq, b.ints(0)], FLOAT, [1, dim // 2])
-
-    def _mask(self, window: int | None) -> ir.Value:
-        """Additive [1, 1, seq, seq]: -inf above the diagonal and, with a window, at key <= query - window."""
-        if window not in self._masks:
-            b, dtype, square = self.b, self.dtype, [SEQ, SEQ]
-            with b.scope("model"):
-                if self._causal is None:
-                    size = b.op("Concat", [self.seq, self.seq], INT64, [2], axis=0)
-                    self._full = b.op("Expand", [b.const("minus_inf", -np.inf, dtype), size], dtype, square)
-                    one = b.const("diagonal_1", 1, INT64)
-                    self._causal = b.op("Trilu", [self._full, one], dtype, square, upper=1)
-                mask = self._causal
-                if window is not None:
-                    below = b.const(f"diagonal_minus_{window}", -window, INT64)
-                    too_old = b.op("Trilu", [self._full, below], dtype, square, upper=0)
-                    mask = b.op("Add", [mask, too_old], dtype, square)
-                self._masks[window] = b.op("Unsqueeze", [mask, b.ints(0, 1)], dtype, [1, 1, SEQ, SEQ])
-        return self._masks[window]
 
     def _shape(self, *pieces: int | str) -> ir.Value:
         """An int64 shape from the input's batch and seq and fixed sizes (one node per distinct shape)."""
@@ -232,7 +245,7 @@ class _Prefill:
             normed = self._rmsnorm(x, f"{prefix}.input_layernorm")
             with b.scope(f"{prefix}.self_attn"):
                 if layer.attention == "gqa":
-                    branch = self._attention(normed, f"{prefix}.self_attn", layer)
+                    branch = self._attention(normed, f"{prefix}.self_attn", layer, index)
                 else:
                     branch = self._linear(normed, f"{prefix}.self_attn.linear_attn", self.hidden, self.hidden)
             with b.scope(prefix):
@@ -291,8 +304,9 @@ class _Prefill:
         hidden = b.op("Mul", [gate, up], self.dtype, shape)
         return self._linear(hidden, f"{module}.down_proj", self.hidden, width)
 
-    def _attention(self, x: ir.Value, module: str, layer: LayerConfig) -> ir.Value:
-        """Causal GQA with rotary embeddings; query heads grouped per KV head, K/V broadcast over a group."""
+    def _attention(self, x: ir.Value, module: str, layer: LayerConfig, index: int) -> ir.Value:
+        """Causal GQA with rotary embeddings; query heads grouped per KV head, K/V broadcast over a group.
+        The keys and values are the new ones (prefill) or the cache's with the new ones appended (decode)."""
         b, config, dim, dtype = self.b, self.config, self.head_dim, self.dtype
         heads, kv = config.heads, layer.kv_heads
         group = heads // kv
@@ -300,6 +314,8 @@ class _Prefill:
         k = self._heads(x, f"{module}.k_proj", kv, config.qkv_bias)
         v = self._heads(x, f"{module}.v_proj", kv, config.qkv_bias)
         q, k = self._rotate(q, heads), self._rotate(k, kv)
+        k, v = self._keys(index, k, v, kv)
+        keys = self.KEYS
         q = b.op(
             "Reshape",
             [q, self._shape(BATCH, kv, group, SEQ, dim)],
@@ -307,16 +323,16 @@ class _Prefill:
             [BATCH, kv, group, SEQ, dim],
             allowzero=1,
         )
-        k = b.op("Unsqueeze", [k, b.ints(2)], dtype, [BATCH, kv, 1, SEQ, dim])
-        k = b.op("Transpose", [k], dtype, [BATCH, kv, 1, dim, SEQ], perm=[0, 1, 2, 4, 3])
-        scores_shape = [BATCH, kv, group, SEQ, SEQ]
+        k = b.op("Unsqueeze", [k, b.ints(2)], dtype, [BATCH, kv, 1, keys, dim])
+        k = b.op("Transpose", [k], dtype, [BATCH, kv, 1, dim, keys], perm=[0, 1, 2, 4, 3])
+        scores_shape = [BATCH, kv, group, SEQ, keys]
         scores = b.op("MatMul", [q, k], dtype, scores_shape)
         scores = b.op(
             "Mul", [scores, b.const(f"attention_scale_{dim}", dim**-0.5, dtype)], dtype, scores_shape
         )
         scores = b.op("Add", [scores, self._mask(layer.sliding_window)], dtype, scores_shape)
         probs = b.op("Softmax", [scores], dtype, scores_shape, axis=-1)
-        v = b.op("Unsqueeze", [v, b.ints(2)], dtype, [BATCH, kv, 1, SEQ, dim])
+        v = b.op("Unsqueeze", [v, b.ints(2)], dtype, [BATCH, kv, 1, keys, dim])
         out = b.op("MatMul", [probs, v], dtype, [BATCH, kv, group, SEQ, dim])
         out = b.op(
             "Reshape",
@@ -357,6 +373,48 @@ class _Prefill:
             dtype,
             full,
         )
+
+
+class _Prefill(ModelGraph):
+    """The prefill graph: positions 0..seq-1, a causal mask over the new tokens alone."""
+
+    def __init__(self, config: HfConfig, dtype: ir.DataType) -> None:
+        super().__init__(config, dtype)
+        self._full: ir.Value | None = None  # -inf [seq, seq]
+        self._causal: ir.Value | None = None
+
+    def _positions(self) -> tuple[ir.Value, list[int | str]]:
+        b = self.b
+        with b.scope("model"):
+            length = b.op("Squeeze", [self.seq], INT64, [])
+            length = b.op("Cast", [length], FLOAT, [], to=FLOAT)
+            positions = b.op(
+                "Range", [b.const("zero", 0.0, FLOAT), length, b.const("one", 1.0, FLOAT)], FLOAT, [SEQ]
+            )
+        return positions, [SEQ]
+
+    def _position_count(self, positions: ir.Value) -> ir.Value:
+        b = self.b
+        last = b.op("Slice", [positions, b.ints(-1), b.ints(INT64_MAX), b.ints(0), b.ints(1)], FLOAT, [1])
+        return b.op("Add", [last, b.const("one", 1.0, FLOAT)], FLOAT, [1])
+
+    def _mask(self, window: int | None) -> ir.Value:
+        """Additive [1, 1, seq, seq]: -inf above the diagonal and, with a window, at key <= query - window."""
+        if window not in self._masks:
+            b, dtype, square = self.b, self.dtype, [SEQ, SEQ]
+            with b.scope("model"):
+                if self._causal is None:
+                    size = b.op("Concat", [self.seq, self.seq], INT64, [2], axis=0)
+                    self._full = b.op("Expand", [b.const("minus_inf", -np.inf, dtype), size], dtype, square)
+                    one = b.const("diagonal_1", 1, INT64)
+                    self._causal = b.op("Trilu", [self._full, one], dtype, square, upper=1)
+                mask = self._causal
+                if window is not None:
+                    below = b.const(f"diagonal_minus_{window}", -window, INT64)
+                    too_old = b.op("Trilu", [self._full, below], dtype, square, upper=0)
+                    mask = b.op("Add", [mask, too_old], dtype, square)
+                self._masks[window] = b.op("Unsqueeze", [mask, b.ints(0, 1)], dtype, [1, 1, SEQ, SEQ])
+        return self._masks[window]
 
 
 def build_prefill(config: HfConfig, dtype: str, opset: int | None = None) -> ir.Model:

@@ -4,8 +4,8 @@
 
 transformers computes these in torch float32; every step here is the same float32 operation in the same
 order (a scalar divided by a tensor is torch's reciprocal-then-multiply), so the tables agree to the ulp
-without importing torch. Used by the prefill graph (exporters.hf.prefill_graph) and the decode graph
-(exporters.hf.decode_trace.decode_traceable).
+without importing torch. Used by the prefill and decode graphs (exporters.hf.prefill_graph's ModelGraph)
+and by runtime.prune's torch model.
 """
 
 from __future__ import annotations

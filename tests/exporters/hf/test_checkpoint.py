@@ -460,18 +460,21 @@ def test_decode_graph_nemotron_matches_reference(tmp_path) -> None:
     assert np.abs(got - expected).max() <= TOLERANCE * max(1.0, np.abs(expected).max())
 
 
-def test_decode_refuses_what_the_decode_graph_lacks(tmp_path) -> None:
+def test_decode_refuses_half_precision_and_other_opsets(tmp_path) -> None:
+    """The decode graph (and its cache) is float32, at the prefill graph's opsets; yarn rope, which the
+    torch-traced decode graph lacked, exports (tests/exporters/hf/test_decode_graph.py checks it)."""
     from passes.errors import UserError
 
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
     config = nemotron_config(DECODE_BLOCKS, hidden=64, heads=4, vocab=VOCAB, rope_scaling=yarn)
     folder = write_nemotron(tmp_path / "ckpt", config, shards=1)
     out = tmp_path / "out"
-    with pytest.raises(UserError, match="rope types default, linear and llama3, not 'yarn'"):
-        export_hf(folder, out / "m.onnx", decode=True)
     with pytest.raises(UserError, match="float32"):
         export_hf(folder, out / "m.onnx", decode=True, dtype="bfloat16")
+    with pytest.raises(UserError, match="--opset 17: the --hf graph is written at opset 18 to 23"):
+        export_hf(folder, out / "m.onnx", decode=True, opset=17)
     assert not out.exists()
+    assert export_hf(folder, out / "m.onnx", decode=True, opset=23).opset == 23
 
 
 # ------------------------------------------------------------------------------------------ the folder

@@ -181,7 +181,6 @@ def test_bf16_graph_gives_the_same_checkpoint(all_kinds, tmp_path) -> None:
     assert (outs[0] / "config.json").read_text() == (outs[1] / "config.json").read_text()
 
 
-@pytest.mark.slow  # the decode export traces with torch (~20 s)
 def test_decode_graph_gives_the_same_checkpoint(all_kinds, tmp_path) -> None:
     """A fused decode graph (export_model.py --hf --decode, KV caches) gives the checkpoint its fused
     prefill graph gives, byte for byte."""
