@@ -1,13 +1,13 @@
 """One quality table for an original model and its variants (fused, healed, ...): lm-eval accuracy through
 the served model, and perplexity / KL / top-1 agreement against the original on held-out text.
 
-For each model in turn (one server at a time, so memory holds one model): tools/serve.py starts on a free
-port, `lm_eval --model local-completions` scores the task(s) through it (DESIGN 11; default: the offline
-license_mc task of runtime.lm_tasks), and the server stops (always). Accuracy (acc, acc_norm and acc's
-standard error) is read from lm-eval's results JSON. Then runtime.evaluate compares each variant with the
-original on the held-out text (the original's logits run once: ReferenceRun), tokenized with the same
-tokenizer folder lm-eval uses; the original's own row is the reference (KL 0, top-1 1, its perplexity from
-the first comparison).
+For each model in turn (one server at a time): tools/serve.py starts on a free port, `lm_eval --model
+local-completions` scores the task(s) through it (DESIGN 11; default: the offline license_mc task of
+runtime.lm_tasks), and the server stops (always). Accuracy (acc, acc_norm and acc's standard error) is read
+from lm-eval's results JSON. Meanwhile, in a thread, runtime.evaluate compares each variant with the
+original on the held-out text (the original's logits run once: ReferenceRun; one variant's session at a
+time), tokenized with the same tokenizer folder lm-eval uses; the original's own row is the reference (KL
+0, top-1 1, its perplexity from the first comparison). Memory: one served model, one compared model.
 """
 
 from __future__ import annotations
@@ -18,15 +18,17 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
 
 from passes.errors import UserError
-from runtime.evaluate import ReferenceRun
+from runtime.evaluate import QualityResult, ReferenceRun
 from runtime.lm_tasks import LICENSE_TASK, license_task
 from runtime.ports import free_port
 from runtime.text_sets import EVALUATION_FILES, TextSet, read_texts, tokenize, windows
@@ -240,28 +242,24 @@ def quality(
     if missing:
         raise UserError(f"text file {', '.join(missing)} does not exist")
     lm_eval_program()
+    sets = held_out_sets(tokenizer, texts, window, max_tokens)  # before anything is written or served
     names = model_names(original, variants)
     offline = tasks is None
     if tasks is None:  # checks `items` before anything is written
         tasks = LmEvalTasks((LICENSE_TASK,), license_task(out / "task", items))
     out.mkdir(parents=True, exist_ok=True)
-    scores = {}
-    with tempfile.TemporaryDirectory() as cache:
-        env = _environment(offline, Path(cache))
-        for name, model in zip(names, models, strict=True):
-            log(f"lm-eval {','.join(tasks.names)} on {name} ({model}) ...")
-            started = time.monotonic()
-            scores[name] = served_lm_eval(model, name, tokenizer, tasks, out / "lm_eval" / name, env)
-            summary = ", ".join(f"{s.task} acc {s.acc:.4f}" for s in scores[name])
-            log(f"  {summary} ({time.monotonic() - started:.0f} s)")
-    sets = held_out_sets(tokenizer, texts, window, max_tokens)
     log(f"held-out text: {', '.join(f'{s.name} {s.tokens} tokens' for s in sets)}")
-    compared = []
-    with tempfile.TemporaryDirectory(dir=out, prefix=".logits.") as logits:  # the original runs once for all
-        reference = ReferenceRun(original, sets, Path(logits), progress=False)
-        for name, model in zip(names[1:] or ["original"], variants or [original], strict=True):
-            log(f"perplexity, KL and top-1 of {name} against the original ...")
-            compared.append(reference.compare(model, progress=False)[-1])  # pooled "all" when several
+    # The held-out comparison runs beside lm-eval (ONNX Runtime releases the GIL; lm-eval and the servers
+    # are other processes): on two cores the servers' small batches leave a core to it.
+    stop = threading.Event()  # set when lm-eval fails: the comparison ends after its current model
+    with ThreadPoolExecutor(1) as pool:
+        held_out = pool.submit(_held_out, original, variants, names, sets, out, log, stop)
+        try:
+            scores = _lm_eval_scores(names, models, tokenizer, tasks, out, offline, log)
+        except BaseException:
+            stop.set()
+            raise
+        compared = held_out.result()
     reference = (compared[0].tokens, compared[0].ppl_original)
     rows = [QualityRow("original", str(original), tuple(scores["original"]), *reference, 0.0, 1.0)]
     for name, model, result in zip(names[1:], variants, compared, strict=True):
@@ -281,6 +279,41 @@ def quality(
     }
     (out / "table.json").write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
     return rows
+
+
+def _lm_eval_scores(
+    names: Sequence[str], models: Sequence[Path], tokenizer: Path, tasks: LmEvalTasks, out: Path,
+    offline: bool, log: Callable[[str], None],
+) -> dict[str, list[TaskScore]]:
+    """Each model served in turn and scored by lm-eval (one server at a time)."""
+    scores = {}
+    with tempfile.TemporaryDirectory() as cache:
+        env = _environment(offline, Path(cache))
+        for name, model in zip(names, models, strict=True):
+            log(f"lm-eval {','.join(tasks.names)} on {name} ({model}) ...")
+            started = time.monotonic()
+            scores[name] = served_lm_eval(model, name, tokenizer, tasks, out / "lm_eval" / name, env)
+            summary = ", ".join(f"{s.task} acc {s.acc:.4f}" for s in scores[name])
+            log(f"  {summary} ({time.monotonic() - started:.0f} s)")
+    return scores
+
+
+def _held_out(
+    original: Path, variants: Sequence[Path], names: Sequence[str], sets: Sequence[TextSet], out: Path,
+    log: Callable[[str], None], stop: threading.Event,
+) -> list[QualityResult]:
+    """Each variant against the original on the held-out sets (pooled); the original's logits run once."""
+    compared = []
+    with tempfile.TemporaryDirectory(dir=out, prefix=".logits.") as logits:
+        reference = ReferenceRun(original, sets, Path(logits), progress=False)
+        for name, model in zip(names[1:] or ["original"], variants or [original], strict=True):
+            if stop.is_set():
+                break
+            started = time.monotonic()
+            compared.append(reference.compare(model, progress=False)[-1])  # pooled "all" when several
+            log(f"held-out text: perplexity, KL and top-1 of {name} against the original "
+                f"({time.monotonic() - started:.0f} s)")
+    return compared
 
 
 def markdown_table(rows: Sequence[QualityRow]) -> str:
