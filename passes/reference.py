@@ -4,7 +4,10 @@
 
 with w the last block's norm weight ("last") or block k's own ("fold"). It reads the original weights of
 one block at a time, a block of rows at a time, and never builds the concatenated matrices the rewrite
-builds; int4 MatMulNBits weights are dequantized here, independently of ONNX Runtime.
+builds; int4 MatMulNBits weights are dequantized here, independently of ONNX Runtime. An FP8 graph's SwiGLU
+FFN (passes/quant/fp8.py) is evaluated the same way on FP8Weights: each input through its QuantizeLinear ->
+DequantizeLinear, each float8 weight dequantized a row block at a time (runtime/verify/fp8.py runs an FP8
+graph's large blocks so).
 
 A full-block parallel group (design §10) is referenced by `parallel_blocks_sum`: x + sum_k (block_k(x) - x)
 in float64 from each ORIGINAL block run alone on the same x (passes/run/block_runner.py runs them), its
@@ -13,11 +16,14 @@ difference taken as the branches the block adds (no float32 cancellation of two 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from passes.blocks import Block
 from passes.matching import strip_cast
 from passes.patterns.swiglu import SwiGLU, Weight
+from passes.quant.fp8 import to_fp8
 
 
 def rms_normalize(x: np.ndarray, eps: float) -> np.ndarray:
@@ -68,7 +74,7 @@ def ffn_weight_bytes(block: Block) -> int:
     return sum(v.const_value.nbytes for v in values if v is not None)
 
 
-def ffn(z: np.ndarray, swiglu_ffn: SwiGLU) -> np.ndarray:
+def ffn(z: np.ndarray, swiglu_ffn: SwiGLU | FP8SwiGLU) -> np.ndarray:
     """down(silu(z @ gate) * (z @ up)) in float64, each weight read a block of rows at a time. Tokens go
     through in slices whose intermediate activations stay near ACTIVATION_BYTES (a fused group's width
     times many tokens would not), each slice reading the weights again."""
@@ -78,7 +84,7 @@ def ffn(z: np.ndarray, swiglu_ffn: SwiGLU) -> np.ndarray:
     return np.concatenate(parts).reshape(*z.shape[:-1], -1)
 
 
-def _ffn(z: np.ndarray, swiglu_ffn: SwiGLU) -> np.ndarray:
+def _ffn(z: np.ndarray, swiglu_ffn: SwiGLU | FP8SwiGLU) -> np.ndarray:
     hidden = silu(matmul(z, swiglu_ffn.gate)) * matmul(z, swiglu_ffn.up)
     return matmul(hidden, swiglu_ffn.down)
 
@@ -90,8 +96,11 @@ ROW_BLOCK_BYTES = 32 << 20
 ACTIVATION_BYTES = 32 << 20
 
 
-def matmul(x: np.ndarray, weight: Weight) -> np.ndarray:
-    """x @ W (W the [in, out] matrix) in float64, reading W's stored rows a block at a time."""
+def matmul(x: np.ndarray, weight: Weight | FP8Weight) -> np.ndarray:
+    """x @ W (W the [in, out] matrix) in float64, reading W's stored rows a block at a time. An FP8Weight
+    first quantizes x as its graph does (DQ(Q(x)))."""
+    if isinstance(weight, FP8Weight):
+        x = weight.quantized_input(x)
     rows, cols = weight.shape
     stored_rows, stored_cols = (cols, rows) if weight.transposed else (rows, cols)
     step = max(1, ROW_BLOCK_BYTES // (8 * stored_cols))
@@ -106,8 +115,10 @@ def matmul(x: np.ndarray, weight: Weight) -> np.ndarray:
     return out
 
 
-def _stored_rows(weight: Weight, start: int, stop: int) -> np.ndarray:
+def _stored_rows(weight: Weight | FP8Weight, start: int, stop: int) -> np.ndarray:
     """Rows start:stop of the weight as stored ([out, in] when transposed), float64."""
+    if isinstance(weight, FP8Weight):
+        return weight.dequantized_rows(start, stop)
     if weight.nbits is not None:
         return weight.dequantized(start, stop).T
     array = weight.source.const_value.numpy()
@@ -121,3 +132,54 @@ def _stored_rows(weight: Weight, start: int, stop: int) -> np.ndarray:
     del array  # no view of the memory map may outlive it
     weight.release()
     return block
+
+
+@dataclass(frozen=True, eq=False)
+class FP8Weight:
+    """A linear layer of an FP8 graph (passes/quant/fp8.py) as that graph computes it: DQ(Q(x)) @ DQ(W8).
+    The input goes through QuantizeLinear -> DequantizeLinear with one `input_scale` (saturating float8e4m3fn
+    rounding: the pass's own `to_fp8` rule, here in float64); the float8e4m3fn weight, stored [in, out] as
+    the pass writes it, is dequantized a row block at a time by `scale`, one per output channel of the
+    stored matrix (DequantizeLinear axis=1) or one for the whole tensor. matmul reads it like a Weight."""
+
+    weight: Weight  # the float8e4m3fn initializer, stored [in, out] (columns: a gate_up half of it)
+    scale: np.ndarray  # float64: one per stored column, or one value (per tensor)
+    input_scale: float
+
+    def __post_init__(self) -> None:
+        if self.weight.transposed or self.weight.nbits is not None:
+            raise ValueError("an FP8 graph's float8 weight is stored [in, out]")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.weight.shape
+
+    @property
+    def transposed(self) -> bool:
+        return False
+
+    def quantized_input(self, x: np.ndarray) -> np.ndarray:
+        """DequantizeLinear(QuantizeLinear(x)): x / scale saturated to +-448, rounded to float8e4m3fn,
+        times scale."""
+        scale = np.float64(self.input_scale)
+        return to_fp8(x, scale).astype(np.float64) * scale
+
+    def dequantized_rows(self, start: int, stop: int) -> np.ndarray:
+        """Rows start:stop of the [in, out] matrix, float8 values times their channel's scale, float64."""
+        rows = _stored_rows(self.weight, start, stop)  # the float8 values, exact in float64 (a new array)
+        first, last = self.weight.columns or (0, len(self.scale))
+        rows *= self.scale if self.scale.size == 1 else self.scale[first:last]  # in place: one row block
+        return rows
+
+
+@dataclass(frozen=True)
+class FP8SwiGLU:
+    """A SwiGLU FFN of an FP8 graph, for ffn(): its three linear layers as FP8Weights."""
+
+    gate: FP8Weight
+    up: FP8Weight
+    down: FP8Weight
+
+    @property
+    def width(self) -> int:
+        return self.gate.shape[1]

@@ -9,7 +9,7 @@ logits the same way, so that no model larger than RAM is loaded whole.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +54,7 @@ class BlockRunner:
         float_activations: bool = False,
         blocks: list[Block] | None = None,
         view: Callable[[onnx.ModelProto], onnx.ModelProto] | None = None,
+        from_rows: Mapping[int, Callable[[np.ndarray], np.ndarray]] | None = None,
     ):
         """`float_activations`: int4 MatMulNBits compute on float activations (passes.patterns.nbits), for
         checks of a rewrite's exactness. `blocks`: the block table of the model this graph was made from,
@@ -61,7 +62,9 @@ class BlockRunner:
         pass renames nothing it does not quantize); the blocks are cut between those names in this graph.
         Their weights are the other model's, so no large-FFN reference reads them (large_ffn_bytes None).
         `view`: a rewrite of each subgraph (a copy) before its session, e.g. a half graph's float32 view
-        (passes.validate.float32_view): one block's weights converted at a time."""
+        (passes.validate.float32_view): one block's weights converted at a time. `from_rows` (streaming):
+        {block position: f}, f(the stream after the block's attention part) its output stream, run instead
+        of the block's session (runtime/verify/fp8.py: an FP8 graph's large FFN read from its rows)."""
         if blocks is not None and large_ffn_bytes is not None:
             raise ValueError("large_ffn_bytes reads the blocks' weights: not with another model's blocks")
         self.path = Path(model_path)
@@ -93,6 +96,7 @@ class BlockRunner:
         # Streaming: blocks with more FFN weight bytes than this run through the row-block reference.
         self.large_ffn_bytes = large_ffn_bytes
         self.view = view
+        self.from_rows = dict(from_rows or {})
 
     def _session(self, proto: onnx.ModelProto, prepack: bool = True) -> ort.InferenceSession:
         if self.view is not None:  # on a copy: the cut keeps its external references, not converted weights
@@ -279,6 +283,9 @@ class BlockRunner:
         """Block k's output stream for input `stream` (side tensors from the last capture)."""
         if self.cuts[k].proto is None:  # an identity block
             return np.array(stream)
+        if self.streaming and k in self.from_rows:  # the caller's row-block reference of this block's FFN
+            x = self.run_attention(k, stream) if self.blocks[k].attention_kind != "none" else stream
+            return self.from_rows[k](x).astype(stream.dtype)
         if self.streaming and self.large_ffn_bytes is not None:
             block = self.blocks[k]
             if block.ffn is not None and ffn_weight_bytes(block) > self.large_ffn_bytes:
