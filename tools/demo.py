@@ -6,16 +6,15 @@ removes attention from the six layers whose attention matters least, in two runs
 (tools/prune_attention.py --remove 6 --runs 2: measured importance chooses 5-7 and 25-27), distills each
 pruned layer locally and writes a Nemotron-NAS checkpoint; both folders are cached under
 ~/.cache/ffn-fusion/demo/ after the first run. Then the usual path: export with `export_model.py --hf`,
-analyze block dependencies and propose a plan, fuse and validate, heal the fused groups, export the
-KV-cache decode graph, fuse it with the same plan, give it the healed weights (heal.py --weights-from), and
-generate with the unpruned, pruned, fused and healed models on the same three questions (the unpruned model
-from its prefill graph, which the quality table needs anyway: no second decode export); serve the healed
-model and ask them over HTTP; and print one quality table of the four models (tools/quality.py: lm-eval
+analyze block dependencies and propose a plan, fuse and validate, heal the fused groups. From there the
+quality table of the four models runs in the background (tools/quality.py on the prefill graphs: lm-eval
 accuracy through the server, perplexity, KL, top-1; it also shows what healing recovered, so heal.py
-evaluates nothing here). Each step prints the
-command it runs, so the demo doubles as a tutorial, and its CPU and wall time (a table of all steps at the
-end: on a shared machine the CPU time says what a quiet one takes). Outputs go to demo_out/ (exports are
-reused).
+evaluates nothing here), while the KV-cache decode graph is exported (onnx-ir, seconds), fused with the same
+plan and given the healed weights (heal.py --weights-from), the unpruned, pruned, fused and healed models
+answer the same three questions, and the healed model is served and asked them over HTTP; the table is
+printed at the end. Each step prints the command it runs, so the demo doubles as a tutorial, and its CPU and
+wall time (a table of all steps at the end: on a shared machine the CPU time says what a quiet one takes).
+Outputs go to demo_out/ (exports are reused).
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ import json
 import os
 import resource
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -33,6 +33,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,6 +50,7 @@ CACHE = Path(os.environ.get("FFN_FUSION_CACHE", Path.home() / ".cache" / "ffn-fu
 PRUNE_ARGS = ("--remove", 6, "--runs", 2, "--eval-tokens", 1024, "--task-items", 0)
 
 
+STARTED = time.perf_counter()
 TIMES: list[tuple[str, float, float]] = []  # (step, CPU seconds of its processes, wall seconds)
 
 
@@ -77,6 +79,45 @@ def step(title: str, tool: str, *args: object) -> None:
         if subprocess.run(command, cwd=ROOT).returncode != 0:
             raise SystemExit(f"error: step '{title}' failed")
 
+
+
+@dataclass
+class Background:
+    """A step running beside the next ones; its output is printed when it is waited for."""
+
+    title: str
+    process: subprocess.Popen
+    log: Path
+    started: float
+
+    def wait(self) -> None:
+        _, status, usage = os.wait4(self.process.pid, 0)
+        self.process.returncode = os.waitstatus_to_exitcode(status)
+        print(f"\n== {self.title} (ran in the background)", flush=True)
+        print(self.log.read_text(encoding="utf-8", errors="replace"), end="", flush=True)
+        cpu, wall = usage.ru_utime + usage.ru_stime, time.perf_counter() - self.started
+        TIMES.append((self.title, cpu, wall))
+        print(f"(step time: {cpu:.0f} s CPU, {wall:.0f} s wall, beside the steps above)", flush=True)
+        if self.process.returncode != 0:
+            raise SystemExit(f"error: step '{self.title}' failed")
+
+    def stop(self) -> None:
+        """Interrupt it (when a step beside it failed): SIGINT, so that it stops the servers it started."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            self.process.wait()
+
+
+def background(title: str, tool: str, *args: object) -> Background:
+    """Start a tool in the background (its command printed now, its output kept in a log beside)."""
+    log = Path(str(args[-1]) + ".log")  # each background tool here ends with its output folder
+    command = [sys.executable, str(ROOT / "tools" / f"{tool}.py"), *map(str, args)]
+    shown = " ".join(shlex.quote(str(a)) for a in [f"tools/{tool}.py", *args])
+    print(f"\n== {title} (in the background; its output follows at the end)\n$ python {shown} > {log}",
+          flush=True)
+    with log.open("w") as sink:
+        process = subprocess.Popen(command, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT)
+    return Background(title, process, log, time.perf_counter())
 
 SAVE_FOLDER = "import sys; from exporters.hf.folder import save_smollm2 as s; s(sys.argv[1])"
 
@@ -218,6 +259,30 @@ def main() -> None:
         "-o",
         healed,
     )
+    export_once("Export the unpruned model (prefill graph: the quality table's reference)", folder, unpruned)
+    # The quality table needs only the prefill graphs: it runs in the background from here (its output is
+    # printed at the end), while the decode graph is made and every model answers.
+    quality = background(
+        "One quality table: lm-eval accuracy through the server, held-out perplexity, KL and top-1 against "
+        "the unpruned model",
+        "quality", unpruned, model, fused, healed, "--items", 100, "--max-tokens", 2048,
+        "--out", out / "quality",
+    )  # fmt: skip
+    try:
+        answer(folder, pruned, plan, healed, decode, fused_decode, healed_decode,
+               out / "onnx_decode_unpruned" / "unpruned.onnx")
+    except BaseException:
+        quality.stop()
+        raise
+    quality.wait()
+    print(f"\nattention removed from layers {removed}; plan applied: {json.loads(plan.read_text())}; "
+          f"outputs in {out}/")
+    print_times()
+
+
+def answer(folder: Path, pruned: Path, plan: Path, healed: Path, decode: Path, fused_decode: Path,
+           healed_decode: Path, unpruned_decode: Path) -> None:
+    """The decode graph with the plan and the healed weights, then every model answers the questions."""
     export_once("Export the KV-cache decode graph (cache for attention layers only)", pruned, decode,
                 "--decode")
     step("Fuse the decode graph with the same plan", "fuse_onnx", decode, plan, "-o", fused_decode)
@@ -233,42 +298,20 @@ def main() -> None:
         "-o",
         healed_decode,
     )
-    export_once("Export the unpruned model (prefill graph: the quality table's reference)", folder, unpruned)
-    # Its prefill graph has no cache and no attention mask, so one question at a time (prompts of equal
-    # length only); a decode export of the unpruned model would cost a torch trace just to compare answers.
-    for question in QUESTIONS:
-        step(f"Generate with the unpruned model (prefill graph, no cache): {question}", "generate", unpruned,
-             "--prompt", question, "--max-new-tokens", 24)
+    export_once("Export the unpruned model's decode graph", folder, unpruned_decode, "--decode")
     questions = [arg for q in QUESTIONS for arg in ("--prompt", q)]
-    for name, path in {"pruned": decode, "fused": fused_decode, "healed": healed_decode}.items():
+    models = {"unpruned": unpruned_decode, "pruned": decode, "fused": fused_decode, "healed": healed_decode}
+    for name, path in models.items():
         step(f"Generate with the {name} model", "generate", path, *questions, "--max-new-tokens", 24)
     serve_and_ask("Serve the healed decode graph (OpenAI API) and ask it the questions", healed_decode)
-    step(
-        "One quality table: lm-eval accuracy through the server, held-out perplexity, KL and top-1 against "
-        "the unpruned model",
-        "quality",
-        unpruned,
-        model,
-        fused,
-        healed,
-        "--items",
-        100,
-        "--max-tokens",
-        2048,
-        "--out",
-        out / "quality",
-    )
-    print(f"\nattention removed from layers {removed}; plan applied: {json.loads(plan.read_text())}; "
-          f"outputs in {out}/")
-    print_times()
-
 
 def print_times() -> None:
     """The per-step times (the steps a cached run reused are absent)."""
     print("\n| step | CPU s | wall s |\n| --- | --- | --- |")
     for title, cpu, wall in TIMES:
         print(f"| {title[:70]} | {cpu:.0f} | {wall:.0f} |")
-    print(f"| total | {sum(t[1] for t in TIMES):.0f} | {sum(t[2] for t in TIMES):.0f} |")
+    print(f"| total (wall: from start to end, steps overlap) | {sum(t[1] for t in TIMES):.0f} | "
+          f"{time.perf_counter() - STARTED:.0f} |")
 
 
 if __name__ == "__main__":
