@@ -41,14 +41,12 @@ import onnx_ir as ir
 import torch
 from torch import nn
 
-from exporters.decode_spec import cache_kv_heads, cache_layers, kinds_of
+from exporters.decode_spec import METADATA_KEY, cache_kv_heads, cache_layers, describe, kinds_of
 from exporters.llama import MLP, Backbone, DecoderBlock, RMSNorm, SelfAttention, SpecLlama, build_model
 from exporters.onnx_export import EXTERNAL_DATA_THRESHOLD, dynamo_export, save_export
 from exporters.spec import BlockSpec, ModelSpec
 
 # Metadata key of the decode graph description (JSON); fusion keeps model metadata.
-METADATA_KEY = "ffn_fusion.decode"
-FORMAT = "ffn-fusion-decode/2"  # /2: kv_heads lists each cached layer's count
 # Tracing example: batch 2, 7 new tokens after 3 cached ones (no dim 0 or 1, so none is specialized).
 EXAMPLE_BATCH, EXAMPLE_SEQ, EXAMPLE_PAST = 2, 7, 3
 PRUNED_BLOCKS: tuple[int, ...] = tuple(range(13, 23))
@@ -271,18 +269,6 @@ def trace_inputs(spec: ModelSpec, device: str | torch.device | None = None) -> T
         ["logits", *[n for i in layers for n in present_names(i)]],
         dynamic,
     )
-
-
-def describe(spec: ModelSpec) -> dict:
-    """The `ffn_fusion.decode` metadata: cached layers and each one's KV heads (they may differ per layer)."""
-    return {
-        "format": FORMAT,
-        "cache_layers": cache_layers(spec),
-        "kv_heads": cache_kv_heads(spec),
-        "head_dim": spec.resolved_head_dim,
-        "vocab": spec.vocab,
-        "n_blocks": spec.n_blocks,
-    }
 
 
 # ------------------------------------------------------------------------------------------ exporting

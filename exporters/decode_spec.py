@@ -17,6 +17,10 @@ from dataclasses import dataclass, field
 from exporters.spec import ModelSpec
 from passes.errors import UserError
 
+# The decode graph's metadata (exporters/decode.py's torch export and exporters/hf/decode_graph.py write it).
+METADATA_KEY = "ffn_fusion.decode"
+FORMAT = "ffn-fusion-decode/2"  # /2: kv_heads lists each cached layer's count
+
 ATTENTION_KINDS = ("gqa", "linear", "none")
 FFN_KINDS = ("swiglu", "linear", "none")
 
@@ -84,3 +88,15 @@ def cache_kv_heads(spec: ModelSpec) -> list[int]:
     """KV heads of each cached layer, in cache_layers order."""
     kinds = kinds_of(spec)
     return [kinds[i].kv_heads for i in cache_layers(spec)]
+
+
+def describe(spec: ModelSpec) -> dict:
+    """The `ffn_fusion.decode` metadata: cached layers and each one's KV heads (they may differ per layer)."""
+    return {
+        "format": FORMAT,
+        "cache_layers": cache_layers(spec),
+        "kv_heads": cache_kv_heads(spec),
+        "head_dim": spec.resolved_head_dim,
+        "vocab": spec.vocab,
+        "n_blocks": spec.n_blocks,
+    }

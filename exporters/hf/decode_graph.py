@@ -32,27 +32,12 @@ import json
 import numpy as np
 import onnx_ir as ir
 
-from exporters.decode_spec import DecodeSpec, cache_kv_heads, cache_layers
+from exporters.decode_spec import METADATA_KEY, DecodeSpec, describe
 from exporters.hf.config import HfConfig
 from exporters.hf.prefill_graph import BATCH, FLOAT, INT64, INT64_MAX, OPSET, SEQ, ModelGraph
 
-# exporters.decode's names, repeated here because that module imports torch (seconds; tested equal).
-METADATA_KEY = "ffn_fusion.decode"
-FORMAT = "ffn-fusion-decode/2"
 PAST, TOTAL = "past_len", "total"
 BOOL = ir.DataType.BOOL
-
-
-def describe(spec: DecodeSpec) -> dict:
-    """exporters.decode.describe: cached layers, each one's KV heads, head_dim, vocab, blocks."""
-    return {
-        "format": FORMAT,
-        "cache_layers": cache_layers(spec),
-        "kv_heads": cache_kv_heads(spec),
-        "head_dim": spec.resolved_head_dim,
-        "vocab": spec.vocab,
-        "n_blocks": spec.n_blocks,
-    }
 
 
 class _Decode(ModelGraph):

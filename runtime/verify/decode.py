@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from exporters.decode import METADATA_KEY
+from exporters.decode_spec import METADATA_KEY
 from passes.error_measures import max_abs_relative_error
 from passes.io.model_io import load_model
 from passes.model_map import find_blocks, vocab_size

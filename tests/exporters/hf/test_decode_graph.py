@@ -206,21 +206,20 @@ def test_nemotron_decode_calls_equal_the_torch_decode_model(tmp_path_factory, tm
     assert_same(graph_steps(path, ids, mask, 5), torch_decode_steps(folder, ids, mask, 5), mask)
 
 
-def test_metadata_is_exporters_decode_metadata(tmp_path_factory) -> None:
-    """decode_graph repeats exporters.decode's key and description (that module imports torch)."""
+def test_metadata_describes_the_caches(tmp_path_factory) -> None:
+    """The exported graph's `ffn_fusion.decode` metadata lists its cached layers and their KV heads."""
     import onnx
 
-    from exporters import decode
-    from exporters.hf import decode_graph
+    from exporters.decode_spec import METADATA_KEY, describe
     from exporters.hf.config import decode_spec, read_config
 
     folder = puzzle_models(tmp_path_factory.getbasetemp(), "ckpt")
     spec = decode_spec(read_config(folder))
-    assert decode_graph.METADATA_KEY == decode.METADATA_KEY and decode_graph.FORMAT == decode.FORMAT
-    assert decode_graph.describe(spec) == decode.describe(spec)
     proto = onnx.load(str(puzzle_models(tmp_path_factory.getbasetemp(), "decode")), load_external_data=False)
-    metadata = {p.key: p.value for p in proto.metadata_props}
-    assert json.loads(metadata[decode.METADATA_KEY]) == decode.describe(spec)
+    metadata = json.loads({p.key: p.value for p in proto.metadata_props}[METADATA_KEY])
+    assert metadata == describe(spec)
+    past = [i.name for i in proto.graph.input if i.name.startswith("past_key_")]
+    assert [f"past_key_{k}" for k in metadata["cache_layers"]] == past
 
 
 _IMPORTS = """

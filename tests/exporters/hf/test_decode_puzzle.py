@@ -13,7 +13,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from exporters.decode import METADATA_KEY
+from exporters.decode_spec import METADATA_KEY
 from exporters.hf.checkpoint import export_hf
 from exporters.hf.synthetic import write_all_kinds
 from passes.error_measures import max_abs_relative_error

@@ -45,7 +45,7 @@ def test_kinds_told_from_metadata(healed, tiny):
 
 
 def test_decode_key_is_the_exporters():
-    from exporters.decode import METADATA_KEY
+    from exporters.decode_spec import METADATA_KEY
 
     assert DECODE_METADATA_KEY == METADATA_KEY
 
