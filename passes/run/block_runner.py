@@ -5,6 +5,12 @@ any block on any input stream. Above STREAMING_BYTES of weights it streams (mode
 capture runs the prefix (embedding, rotary tables, masks), each block and the tail (final norm, lm_head)
 one after the other, and at most one block's weights are loaded at a time. model_logits gives a model's
 logits the same way, so that no model larger than RAM is loaded whole.
+
+A parallel-block graph (passes/parallel.py) has no single member block to run: with `whole_groups` a
+parallel group is one cut (cut.py), so captures, run_block and model_logits run it as one unit (one
+session: the group's weights at a time); the single-block uses (run_attention, run_branches, a block's FFN
+from its rows) refuse its members. Without `whole_groups` such a graph is refused (the analyses' case: they
+need single blocks and run on the original model).
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from passes.io.sessions import open_session
 from passes.model_map import find_blocks, vocab_size
 from passes.patterns import nbits
 from passes.reference import ffn_weight_bytes, parallel_sum
-from passes.run.cut import NameGraph, cut_blocks, fill_stream_types, split_skip_norms, value_types
+from passes.run.cut import NameGraph, cut_blocks, cut_units, fill_stream_types, split_skip_norms, value_types
 
 # Above this many bytes of weights a BlockRunner streams: one block's weights in memory at a time.
 STREAMING_BYTES = 3 << 30
@@ -55,6 +61,7 @@ class BlockRunner:
         blocks: list[Block] | None = None,
         view: Callable[[onnx.ModelProto], onnx.ModelProto] | None = None,
         from_rows: Mapping[int, Callable[[np.ndarray], np.ndarray]] | None = None,
+        whole_groups: bool = False,
     ):
         """`float_activations`: int4 MatMulNBits compute on float activations (passes.patterns.nbits), for
         checks of a rewrite's exactness. `blocks`: the block table of the model this graph was made from,
@@ -64,14 +71,16 @@ class BlockRunner:
         `view`: a rewrite of each subgraph (a copy) before its session, e.g. a half graph's float32 view
         (passes.validate.float32_view): one block's weights converted at a time. `from_rows` (streaming):
         {block position: f}, f(the stream after the block's attention part) its output stream, run instead
-        of the block's session (runtime/verify/fp8.py: an FP8 graph's large FFN read from its rows)."""
+        of the block's session (runtime/verify/fp8.py: an FP8 graph's large FFN read from its rows).
+        `whole_groups`: cut each parallel group as one unit (module doc): `cuts` (and run_block's k) then
+        count units, not blocks; without it a parallel-block graph is refused."""
         if blocks is not None and large_ffn_bytes is not None:
             raise ValueError("large_ffn_bytes reads the blocks' weights: not with another model's blocks")
         self.path = Path(model_path)
         model = load_model(self.path)
         self.blocks = find_blocks(model) if blocks is None else blocks
         grouped = next((b for b in self.blocks if b.parallel is not None), None)
-        if grouped is not None and grouped.parallel is not None:
+        if grouped is not None and grouped.parallel is not None and not whole_groups:
             # Members of a parallel group share one input and one output: there is no block to cut out.
             raise UserError(
                 f"{self.path}: blocks {grouped.parallel[0]}..{grouped.parallel[1]} run in parallel "
@@ -80,7 +89,10 @@ class BlockRunner:
         self.proto = load_typed_proto(self.path)
         if float_activations:
             nbits.float_activations(self.proto)
-        self.cuts = cut_blocks(self.blocks, self.proto)
+        self.cuts = cut_blocks(self.blocks, self.proto, groups=whole_groups)
+        # The block positions of each cut, and the cut of each block position (one-to-one without groups).
+        self.units = cut_units(self.blocks) if whole_groups else [[k] for k in range(len(self.blocks))]
+        self.unit_of = {k: u for u, unit in enumerate(self.units) for k in unit}
         self.threads = threads
         # Streaming (models larger than RAM; default: above STREAMING_BYTES of weights): at most one block's
         # weights are loaded at a time, and captures run block by block instead of as one whole model.
@@ -97,6 +109,19 @@ class BlockRunner:
         self.large_ffn_bytes = large_ffn_bytes
         self.view = view
         self.from_rows = dict(from_rows or {})
+        for k in self.from_rows:
+            self._single(k, "an FFN from its rows")
+
+    def _single(self, k: int, what: str) -> Block:
+        """Block position k's block, for a use that needs it alone: refused for a parallel group's member."""
+        block = self.blocks[k]
+        if block.parallel is not None:
+            first, last = block.parallel
+            raise UserError(
+                f"{self.path}: block {block.index} runs in parallel with blocks {first}..{last} (a "
+                f"parallel-block graph): {what} needs a single block; run it on the original model"
+            )
+        return block
 
     def _session(self, proto: onnx.ModelProto, prepack: bool = True) -> ort.InferenceSession:
         if self.view is not None:  # on a copy: the cut keeps its external references, not converted weights
@@ -162,7 +187,12 @@ class BlockRunner:
         del prefix
         outputs = dict(zip([self.cuts[0].input_name, *sides], values, strict=True))
         self.side = {n: outputs[n] for n in sides}
-        attention_inputs = {b.ffn_input.name: b.index for b in self.blocks if b.attention}
+        # the stream after a block's attention: only where the block is a cut of its own (not in a group)
+        attention_inputs = {
+            b.ffn_input.name: self.unit_of[k]
+            for k, b in enumerate(self.blocks)
+            if b.attention and len(self.units[self.unit_of[k]]) == 1
+        }
         streams = {c.input_name for c in self.cuts} | {c.output_name for c in self.cuts}
         unknown = extra - streams - set(attention_inputs) - set(sides)
         if unknown:
@@ -174,9 +204,10 @@ class BlockRunner:
             last = max(needed, default=-1)
         x = outputs[self.cuts[0].input_name]
         for k in range(last + 1):
-            block = self.blocks[k]
-            if block.attention and block.ffn_input.name in extra:
-                outputs[block.ffn_input.name] = self.run_attention(k, x)
+            unit = self.units[k]
+            block = self.blocks[unit[0]]
+            if len(unit) == 1 and block.attention and block.ffn_input.name in extra:
+                outputs[block.ffn_input.name] = self.run_attention(unit[0], x)
             x = outputs[self.cuts[k].output_name] = self.run_block(k, x)
         self._sessions.clear()
         self._attention.clear()
@@ -249,9 +280,10 @@ class BlockRunner:
         self._branches.clear()
 
     def run_attention(self, k: int, stream: np.ndarray) -> np.ndarray:
-        """The stream entering block k's FFN (after its attention sub-block) for block input `stream`."""
+        """The stream entering block k's FFN (after its attention sub-block) for block input `stream`
+        (k: the block's position in `blocks`)."""
         if k not in self._attention:
-            block = self.blocks[k]
+            block = self._single(k, "the stream after its attention")
             start, end = block.block_input.name, block.ffn_input.name
             side = NameGraph(self.proto).block_side_inputs(start, end)
             fill_stream_types(self.proto, [*self._stream_names(), end])
@@ -261,13 +293,13 @@ class BlockRunner:
                 self._attention.clear()
             self._attention[k] = (side, self._session(sub))
         side, sess = self._attention[k]
-        feed = {self.cuts[k].input_name: stream, **{n: self.side[n] for n in side}}
+        feed = {self.cuts[self.unit_of[k]].input_name: stream, **{n: self.side[n] for n in side}}
         return np.array(sess.run(None, feed)[0])  # a copy: see run_block
 
     def run_branches(self, k: int, stream: np.ndarray) -> list[np.ndarray]:
         """What block k's parts add to the stream for block input `stream`: its attention and FFN residual
         branches (block_k(x) - x, without the float32 cancellation of subtracting two streams)."""
-        block, cut = self.blocks[k], self.cuts[k]
+        block, cut = self._single(k, "its residual branches"), self.cuts[self.unit_of[k]]
         sess = self._branches.get(k)
         if sess is None:
             names = [r.branch.name for r in (block.attention_residual, block.residual) if r is not None]
@@ -280,19 +312,22 @@ class BlockRunner:
         return [np.array(v) for v in sess.run(None, feed)]
 
     def run_block(self, k: int, stream: np.ndarray) -> np.ndarray:
-        """Block k's output stream for input `stream` (side tensors from the last capture)."""
+        """Cut k's output stream for input `stream` (side tensors from the last capture): block k's, or with
+        `whole_groups` the k-th unit's (a parallel group runs whole, in one session, whatever its members'
+        FFN sizes: no member has a stream of its own to evaluate from rows)."""
         if self.cuts[k].proto is None:  # an identity block
             return np.array(stream)
-        if self.streaming and k in self.from_rows:  # the caller's row-block reference of this block's FFN
-            x = self.run_attention(k, stream) if self.blocks[k].attention_kind != "none" else stream
-            return self.from_rows[k](x).astype(stream.dtype)
-        if self.streaming and self.large_ffn_bytes is not None:
-            block = self.blocks[k]
-            if block.ffn is not None and ffn_weight_bytes(block) > self.large_ffn_bytes:
-                # A fused group's block can hold a whole group of weights: evaluate its FFN in float64
-                # from its weights a row block at a time (passes/reference.py) instead of loading them.
-                x = self.run_attention(k, stream) if block.attention_kind != "none" else stream
-                return parallel_sum(x, [block], "last").astype(stream.dtype)
+        position = self.units[k][0]
+        block = self.blocks[position]
+        if self.streaming and position in self.from_rows:  # the caller's row-block reference of the FFN
+            x = self.run_attention(position, stream) if block.attention_kind != "none" else stream
+            return self.from_rows[position](x).astype(stream.dtype)
+        limit = self.large_ffn_bytes if self.cuts[k].group is None else None  # a group: one session
+        if self.streaming and limit is not None and block.ffn is not None and ffn_weight_bytes(block) > limit:
+            # A fused group's block can hold a whole group of weights: evaluate its FFN in float64
+            # from its weights a row block at a time (passes/reference.py) instead of loading them.
+            x = self.run_attention(position, stream) if block.attention_kind != "none" else stream
+            return parallel_sum(x, [block], "last").astype(stream.dtype)
         cut = self.cuts[k]
         feed = {cut.input_name: stream, **{n: self.side[n] for n in cut.side_inputs}}
         # A copy: ONNX Runtime's output array keeps the memory of the run it came from (the session's arena)
@@ -308,13 +343,16 @@ def model_logits(
 ) -> np.ndarray:
     """The model's first output (logits) on `tokens`: one whole-model session, or above STREAMING_BYTES of
     weights block by block (BlockRunner streaming), so that a model larger than RAM is never loaded whole.
-    `view`: as BlockRunner's (each subgraph's rewrite before its session; the whole model's too)."""
+    `view`: as BlockRunner's (each subgraph's rewrite before its session; the whole model's too). A
+    parallel-block graph streams group by group (a parallel group is one unit: its weights at a time)."""
     path = Path(model_path)
     proto = load_proto(path)
     if weight_bytes(ir.serde.deserialize_model(proto)) <= STREAMING_BYTES:  # sizes only: no data is read
         whole = proto if view is None else view(proto)
         return session(whole, path.parent, threads).run(None, Signature.of(whole).feeds(tokens))[0]
     # A fused model's block may hold a whole group's weights: above LARGE_FFN_BYTES, the row-block reference.
-    runner = BlockRunner(path, threads, streaming=True, large_ffn_bytes=LARGE_FFN_BYTES, view=view)
+    runner = BlockRunner(
+        path, threads, streaming=True, large_ffn_bytes=LARGE_FFN_BYTES, view=view, whole_groups=True
+    )
     runner.capture(tokens)
     return runner.logits

@@ -8,6 +8,10 @@ it (rotary cos/sin, the attention mask, shapes). Side tensors must not depend on
 (before its attention part), block output the stream after its last part's residual add (its FFN's, or
 for an FFN-free block its attention's). An identity block (a layer the metadata names but the graph has
 no nodes for) has no subgraph: its output is its input.
+
+A parallel group (passes/parallel.py, design §10) has no member to cut out: every member reads the group's
+input stream and the group's one add writes the stream after it. With `groups`, cut_blocks cuts such a
+group as ONE unit, from that input to that output (`BlockCut.group`); without it, it refuses the graph.
 """
 
 from __future__ import annotations
@@ -46,6 +50,9 @@ class BlockCut:
     output_name: str
     side_inputs: list[str]
     proto: onnx.ModelProto | None  # None: an identity block (output = input, nothing to run)
+    # A whole parallel group cut as one unit: its (first, last) block numbers (Block.parallel). `index` is
+    # then its first member's, `attention` whether any member has attention, `width` the members' sum.
+    group: tuple[int, int] | None = None
 
 
 class NameGraph:
@@ -182,34 +189,61 @@ def split_skip_norms(proto: onnx.ModelProto, starts: list[str]) -> None:
         graph = NameGraph(proto)
 
 
-def cut_blocks(blocks: list[Block], proto: onnx.ModelProto) -> list[BlockCut]:
-    """One subgraph per block (onnx.utils.Extractor on the proto; weights stay where they are).
+def cut_units(blocks: list[Block]) -> list[list[int]]:
+    """The positions in `blocks` of each cut: one block, or a whole parallel group (consecutive blocks of
+    the same Block.parallel)."""
+    units: list[list[int]] = []
+    for k, block in enumerate(blocks):
+        if block.parallel is not None and units and blocks[units[-1][0]].parallel == block.parallel:
+            units[-1].append(k)
+        else:
+            units.append([k])
+    return units
+
+
+def cut_blocks(blocks: list[Block], proto: onnx.ModelProto, groups: bool = False) -> list[BlockCut]:
+    """One subgraph per block (onnx.utils.Extractor on the proto; weights stay where they are); with `groups`,
+    one per parallel group as well (its members' shared input -> the group's output, see the module doc).
 
     Stream tensors whose type shape inference left unknown get the embedding output's type in `proto`;
     fused Skip*Normalization nodes at block boundaries are split in `proto` (see split_skip_norms).
     """
-    names = stream_names(proto, blocks)
+    per_block = stream_names(proto, blocks)
+    units = cut_units(blocks) if groups else [[k] for k in range(len(blocks))]
+    names = [(per_block[unit[0]][0], per_block[unit[-1]][1]) for unit in units]
     split_skip_norms(proto, [start for start, _ in names[1:]])
     graph = NameGraph(proto)
     stream = graph.forward_cone(names[0][0], values_only=True)
     sides = []
     for k, (start, end) in enumerate(names):
-        if k + 1 < len(blocks) and names[k + 1][0] != end:
-            raise UserError(f"block {k + 1} does not start where block {k} ends; cannot analyze this graph")
-        sides.append([] if blocks[k].is_identity else graph.block_side_inputs(start, end))
-    _check_side_inputs(blocks, sides, stream, value_types(proto))
+        if k + 1 < len(names) and names[k + 1][0] != end:
+            which = blocks[units[k + 1][0]]
+            why = " (a parallel group: its members share one input)" if which.parallel is not None else ""
+            raise UserError(
+                f"block {which.index} does not start where block {blocks[units[k][-1]].index} ends{why}; "
+                "cannot analyze this graph"
+            )
+        first = blocks[units[k][0]]
+        sides.append([] if first.is_identity else graph.block_side_inputs(start, end))
+    _check_side_inputs([blocks[unit[0]] for unit in units], sides, stream, value_types(proto))
     fill_stream_types(proto, [start for start, _ in names] + [names[-1][1]])
     types = value_types(proto)
     extractor = onnx.utils.Extractor(proto)
     cuts = []
-    for block, side, (start, end) in zip(blocks, sides, names, strict=True):
+    for unit, side, (start, end) in zip(units, sides, names, strict=True):
+        members = [blocks[k] for k in unit]
+        block = members[0]
         unknown = [name for name in side if name not in types]
         if unknown:
             raise UserError(
                 f"block {block.index}: the type of {unknown[0]!r} is unknown (shape inference failed)"
             )
         sub = None if block.is_identity else extractor.extract_model([start, *side], [end])
-        cuts.append(BlockCut(block.index, block.attention, block.width, start, end, side, sub))
+        if len(members) == 1:
+            cuts.append(BlockCut(block.index, block.attention, block.width, start, end, side, sub))
+        else:
+            attention, width = any(b.attention for b in members), sum(b.width for b in members)
+            cuts.append(BlockCut(block.index, attention, width, start, end, side, sub, block.parallel))
     return cuts
 
 

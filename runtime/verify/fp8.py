@@ -129,17 +129,15 @@ def _streamed_logits(
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """(source logits, FP8 logits), both graphs run block by block (BlockRunner streaming: one block's weights
     in memory at a time). The block walk does not read an FP8 graph, but the FP8 pass renames no stream: its
-    blocks are cut between the source's stream names. None (the check then runs whole; a note says why) when
-    the FP8 graph lacks one of those names or cannot be cut by them, the source is a parallel-block graph (no
-    blocks to cut) or a graph has a half-precision input (common.logits). Half graphs run each block in its
+    blocks are cut between the source's stream names (a parallel group of a parallel-block source as one cut,
+    its members' weights together: BlockRunner whole_groups). None (the check then runs whole; a note says
+    why) when the FP8 graph lacks one of those names or cannot be cut by them, or a graph has a
+    half-precision input (common.logits). Half graphs run each block in its
     float32 view, as whole. A block whose source FFN holds more than LARGE_FFN_BYTES (a fused group's) runs
     from its rows on both sides: the source's by passes/reference.py, the FP8 graph's FFN by the same
     row-block reference modelling its Q/DQ (_fp8_from_rows; its attention part still runs in ONNX Runtime),
     so that no float8 matrix is dequantized whole. Where that block's FP8 structure is not the pass's, the
     block is loaded whole (a note says so)."""
-    if any(b.parallel is not None for b in blocks):
-        report.notes.append("a parallel-block graph: the logits check runs whole (not block by block)")
-        return None
     protos = [load_proto(p) for p in (report.original, report.artifact)]
     views = [half_view(p, proto) for p, proto in zip((report.original, report.artifact), protos, strict=True)]
     if any(has_half_input(proto) for proto in protos):
@@ -147,8 +145,9 @@ def _streamed_logits(
         return None
     produced = {v.name for v in protos[1].graph.input} | {o for n in protos[1].graph.node for o in n.output}
     del protos
-    source = BlockRunner(
-        report.original, streaming=True, large_ffn_bytes=block_runner.LARGE_FFN_BYTES, view=views[0]
+    source = BlockRunner(  # a parallel group of a parallel-block source: one cut, on both sides
+        report.original, streaming=True, large_ffn_bytes=block_runner.LARGE_FFN_BYTES, view=views[0],
+        whole_groups=True,
     )
     names = [c.input_name for c in source.cuts] + [source.cuts[-1].output_name]
     missing = [n for n in names if n not in produced]
@@ -161,7 +160,8 @@ def _streamed_logits(
     from_rows = _fp8_from_rows(report, source.blocks)
     try:
         fp8 = BlockRunner(
-            report.artifact, streaming=True, blocks=source.blocks, view=views[1], from_rows=from_rows
+            report.artifact, streaming=True, blocks=source.blocks, view=views[1], from_rows=from_rows,
+            whole_groups=True,
         )
     except UserError as exc:
         source.close()
@@ -187,7 +187,7 @@ def _fp8_from_rows(report: VerifyReport, blocks: list[Block]) -> dict[int, RowBl
     row block at a time (passes/reference.ffn on FP8Weights: the pass's activation Q/DQ and dequantized
     float8 rows, scales read from the graph). A block whose FP8 form is not the pass's is left out (loaded
     whole), with a note."""
-    large = [k for k, b in enumerate(blocks) if b.ffn is not None]
+    large = [k for k, b in enumerate(blocks) if b.ffn is not None and b.parallel is None]  # a group: one cut
     large = [k for k in large if ffn_weight_bytes(blocks[k]) > block_runner.LARGE_FFN_BYTES]
     if not large:
         return {}

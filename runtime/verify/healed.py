@@ -2,7 +2,8 @@
 members), every healed tensor equal to what the heal recorded (sha256 per tensor in ffn_fusion.heal), every
 other weight equal to the original's, and the quality against the original on held-out text (KL, top-1),
 bounded by `max_kl`. Above block_runner.STREAMING_BYTES of weights the quality check runs both models block by
-block (_streamed_quality), as fusion's validation does; below it, whole (runtime/evaluate.py)."""
+block (_streamed_quality), as fusion's validation does, a parallel group of a parallel-block plan as one unit;
+below it, whole (runtime/evaluate.py)."""
 
 from __future__ import annotations
 
@@ -58,12 +59,10 @@ def verify_healed(report: VerifyReport, options: VerifyOptions) -> None:
     _hashes(report, healed_model, hashes)
     skip = set(hashes) | group_tensors(fused_group_blocks(plan, healed_blocks))
     same_initializers(report, original_model, healed_model, skip, "weights outside the healed groups")
-    # above STREAMING_BYTES of weights, block by block (a parallel-block graph has no blocks to cut: whole)
+    # above STREAMING_BYTES of weights, block by block (a parallel group as one unit)
     stream = max(weight_bytes(original_model), weight_bytes(healed_model)) > block_runner.STREAMING_BYTES
-    if stream and plan.parallel:
-        report.notes.append("a parallel-block graph runs whole for the quality check (not block by block)")
     del original_model, healed_model
-    _quality(report, options, vocab_size(original_blocks), stream and not plan.parallel)
+    _quality(report, options, vocab_size(original_blocks), stream)
 
 
 def _structure(
@@ -171,8 +170,9 @@ def _fixed_batch(path: Path) -> bool:
 
 
 def _final_stream(runner: BlockRunner, windows: np.ndarray) -> np.ndarray:
-    """The stream leaving the last block for `windows`, one block loaded at a time: the prefix (embedding,
-    rotary tables, masks: the side tensors every block reads), then each block on the stream of the last."""
+    """The stream leaving the last block for `windows`, one block (or parallel group) loaded at a time: the
+    prefix (embedding, rotary tables, masks: the side tensors every block reads), then each cut on the stream
+    of the last."""
     first = runner.cuts[0].input_name
     x = runner.capture(windows, only=True)[first]  # the prefix alone (asking for `first` also ran block 0)
     for k in range(len(runner.cuts)):
@@ -183,17 +183,18 @@ def _final_stream(runner: BlockRunner, windows: np.ndarray) -> np.ndarray:
 def _streamed_quality(report: VerifyReport, texts: list[TextSet]) -> tuple[float, float, int] | None:
     """KL(original || healed) and top-1 agreement pooled over every window, both models run block by block
     (BlockRunner streaming: one block's weights in memory at a time, a fused group's block above
-    LARGE_FFN_BYTES from its rows), then the tail (final norm, lm_head) on as many windows at a time as keep
-    both models' logits within STREAMED_LOGITS_BYTES. Memory: one block's (or the lm_head's) weights, both
-    models' last streams of one text set, and those logits. None when a graph fixes its batch, or a model's
-    tail reads side tensors (none seen: the tail is the final norm and the lm_head), which the streamed
-    capture does not keep: the check then runs whole."""
+    LARGE_FFN_BYTES from its rows, a parallel group's members together as one unit), then the tail (final
+    norm, lm_head) on as many windows at a time as keep both models' logits within STREAMED_LOGITS_BYTES.
+    Memory: one block's (a parallel group's, or the lm_head's) weights, both models' last streams of one
+    text set, and those logits. None when a graph fixes its batch, or a model's tail reads side tensors
+    (none seen: the tail is the final norm and the lm_head), which the streamed capture does not keep: the
+    check then runs whole."""
     paths = (report.original, report.artifact)
     if any(_fixed_batch(path) for path in paths):
         return None  # every window of a set runs at once: a graph that fixes its batch runs whole
     runners = [  # a half graph: each block in its float32 view (ONNX Runtime's CPU lacks bfloat16 MatMul)
         BlockRunner(p, streaming=True, large_ffn_bytes=block_runner.LARGE_FFN_BYTES,
-                    view=half_view(p, load_proto(p)))
+                    view=half_view(p, load_proto(p)), whole_groups=True)
         for p in paths
     ]
     if any(runner.tail_inputs() for runner in runners):

@@ -28,7 +28,7 @@ from runtime.verify import VerifyOptions, verify_artifact
 from runtime.verify import fp8 as fp8_check
 from runtime.verify.common import logits
 from runtime.verify.records import VerifyReport
-from tests.runtime.verify.artifacts import tampered
+from tests.runtime.verify.artifacts import parallel_artifacts, tampered
 
 OPTIONS = VerifyOptions(max_error=0.15)
 # From rows against ONNX Runtime's whole run, relative L2 of the logits. On the check's own 16 seeded tokens
@@ -155,3 +155,21 @@ def test_fp8_weight_rows_are_dq_of_q(columns, channels, tmp_path, monkeypatch):
     matrix = values.astype(np.float64) * scale
     matrix = matrix if columns is None else matrix[:, columns[0] : columns[1]]
     np.testing.assert_allclose(got, q @ matrix, rtol=1e-12, atol=1e-12)
+
+
+def test_a_parallel_block_source_streams_group_by_group(tmp_path, from_rows):
+    """A parallel-block source (FFN group [1, 2], parallel group [3, 4]) and its FP8 graph: the parallel group
+    is one cut on both sides (its members' weights together), the other FFN blocks from their rows; the
+    logits equal the whole runs' and the check passes without running anything whole."""
+    fused = parallel_artifacts(tmp_path)["original"].with_name("m.fused.onnx")
+    ids = np.random.default_rng(1).integers(0, 64, (2, 16))  # the synthetic model's vocabulary
+    scales = calibrate(fused, [ids], progress=False)
+    fp8 = quantize_file(fused, scales, tmp_path, False, lambda m: None)
+    streamed, whole, report = streamed_fp8_logits(fused, fp8)
+    assert relative_l2(streamed, whole) <= TOLERANCE
+    members = [str(b.index) for b in find_blocks(load_model(fused)) if b.parallel is not None]
+    rows = " ".join(report.notes).split("FFN of block(s) ")[1].split(" runs")[0].split(", ")
+    assert members and not set(members) & set(rows)
+    checked = verify_artifact(fused, fp8, OPTIONS)
+    assert checked.ok, checked.lines()
+    assert not any("whole" in note for note in checked.notes), checked.notes
