@@ -42,6 +42,7 @@ from passes.pipeline import fuse_file
 from passes.plan import Plan, validate_plan
 from passes.run.block_runner import BlockRunner
 from runtime.evaluate import QualityResult, evaluate
+from runtime.heal.input_limits import RunShape
 from runtime.latency.predict import LayerShape, fuse_blocks, hardware, layer_shapes, predict_decode
 from runtime.text_sets import (
     TextSet,
@@ -67,7 +68,7 @@ class AnalyzeOptions:
     text: Sequence[Path] | None = None  # calibration text files (default: runtime/text_sets.py's)
     tokens: Path | None = None  # calibration token ids (.npy) instead of text
     num_tokens: int = 128
-    window: int = 128  # tokens per sequence
+    window: int | None = None  # tokens per sequence (None: the graph's fixed length, else 128)
     threshold: float = DEFAULT_THRESHOLD  # largest pairwise dependency inside a group
     max_group: int | None = None
     max_width: int | None = None
@@ -101,6 +102,9 @@ def analyze_and_plan(
     start = time.perf_counter()
     if options.parallel_blocks:
         check_parallel_options(options)
+    # a graph that fixes its sequence length takes exactly that window (and one that fixes its batch runs
+    # the windows in chunks of it: BlockRunner)
+    options = replace(options, window=RunShape.of([model]).window(options.window))
     runner = BlockRunner(model)
     full = [b.full for b in runner.blocks]
     if options.parallel_blocks and not full_block_windows(full, options.block_group):

@@ -13,7 +13,6 @@ from passes.plan import NORM_MODES
 from runtime.analyze import HEAL_THRESHOLD, AnalyzeOptions, analyze_and_plan
 from runtime.frontier.pipeline import FrontierOptions, run_frontier
 from runtime.frontier.target import TARGETS, WEIGHT_BYTES, TargetOptions
-from runtime.heal.input_limits import DEFAULT_WINDOW
 
 EPILOG = """\
 examples:
@@ -50,8 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, required=True, metavar="DIR", help="output folder")
     add_token_source(parser, "calibration")
     parser.add_argument("--num-tokens", type=int, default=128, help="calibration tokens used (default 128)")
-    parser.add_argument("--window", type=int, help="tokens per sequence (default 128; with --frontier the "
-                        "length the graph fixes, if it fixes one)")
+    parser.add_argument("--window", type=int, help="tokens per sequence (default: the length the graph "
+                        "fixes, if it fixes one, else 128)")
     parser.add_argument("--max-group", type=int, help="most blocks in one group")
     parser.add_argument("--max-width", type=int, help="largest intermediate width of a fused FFN")
     parser.add_argument(
@@ -196,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         text=args.text,
         tokens=args.tokens,
         num_tokens=args.num_tokens,
-        window=args.window or DEFAULT_WINDOW,
+        window=args.window,
         threshold=args.threshold,
         max_group=args.max_group,
         max_width=args.max_width,

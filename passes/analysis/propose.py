@@ -27,6 +27,7 @@ import numpy as np
 
 from passes.error_measures import cosine, l2_relative_error
 from passes.errors import UserError
+from passes.graph_inputs import Signature
 from passes.pipeline import fuse_file
 from passes.plan import NORM_MODES, Plan
 from passes.run.block_runner import model_logits
@@ -264,11 +265,12 @@ def choose_norm(
         return choice
     if reference_logits is None:
         reference_logits = model_logits(model_path, tokens)
+    checked = tokens[: Signature.of(model_path).batch_size(len(tokens))]  # what one validation run takes
     with tempfile.TemporaryDirectory(dir=workdir, prefix=".norm-choice.") as tmp:
         for mode in NORM_MODES:
             fused = Path(tmp) / f"fused-{mode}.onnx"
             log(f"fusing with norm={mode!r} to measure its error")
-            fuse_file(model_path, Plan(tuple(groups), mode), fused, validate_output=True, tokens=tokens)
+            fuse_file(model_path, Plan(tuple(groups), mode), fused, validate_output=True, tokens=checked)
             logits = model_logits(fused, tokens)
             choice.errors[mode] = {
                 "logits_rel_error": l2_relative_error(logits, reference_logits),

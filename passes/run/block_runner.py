@@ -94,6 +94,10 @@ class BlockRunner:
         self.units = cut_units(self.blocks) if whole_groups else [[k] for k in range(len(self.blocks))]
         self.unit_of = {k: u for u, unit in enumerate(self.units) for k in unit}
         self.threads = threads
+        # A graph that fixes its batch (exporters that trace one example) runs more windows in chunks of that
+        # batch (_run). Flat [seq] ids have no batch axis: one window per call, as the caller feeds them.
+        signature = Signature.of(self.proto)
+        self.fixed_batch = None if signature.flat else signature.batch
         # Streaming (models larger than RAM; default: above STREAMING_BYTES of weights): at most one block's
         # weights are loaded at a time, and captures run block by block instead of as one whole model.
         self.streaming = weight_bytes(model) > STREAMING_BYTES if streaming is None else streaming
@@ -129,6 +133,29 @@ class BlockRunner:
             copy.CopyFrom(proto)
             proto = self.view(copy)
         return session(proto, self.path.parent, self.threads, prepack)
+
+    def _run(
+        self, sess: ort.InferenceSession, feed: dict[str, np.ndarray], rows: Iterable[str],
+        first: Iterable[str] = (),
+    ) -> list[np.ndarray]:
+        """sess.run(None, feed). On a graph that fixes its batch, the `rows` feeds (the windows: ids, mask,
+        a stream) go in chunks of that batch (the last one padded with its last row) and each output is the
+        chunks' concatenated, trimmed; the outputs named in `first` (side tensors: positions, masks, the
+        same for every window of equal length) are the first chunk's."""
+        rows = set(rows)
+        n = next(len(feed[name]) for name in rows)
+        size = self.fixed_batch
+        if size is None or n == size:
+            return sess.run(None, feed)
+        names, first = [o.name for o in sess.get_outputs()], set(first)
+        parts: list[list[np.ndarray]] = []
+        for start in range(0, n, size):
+            chunk = {k: _padded(v[start : start + size], size) if k in rows else v for k, v in feed.items()}
+            parts.append([np.array(v) for v in sess.run(None, chunk)])
+        return [
+            parts[0][i] if name in first else np.concatenate([p[i] for p in parts])[:n]
+            for i, name in enumerate(names)
+        ]
 
     @property
     def vocab(self) -> int:
@@ -183,7 +210,7 @@ class BlockRunner:
         feed = Signature.of(self.proto).feeds(tokens)
         sides = self._side_names(tail=not only)
         prefix = self._prefix(sides)
-        values = prefix.run(None, feed)
+        values = self._run(prefix, feed, feed, first=sides)
         del prefix
         outputs = dict(zip([self.cuts[0].input_name, *sides], values, strict=True))
         self.side = {n: outputs[n] for n in sides}
@@ -230,7 +257,7 @@ class BlockRunner:
             if not self.streaming:
                 self._tail_session = tail
         feed = {self.cuts[-1].output_name: stream, **{n: self.side[n] for n in side}}
-        return np.array(tail.run(None, feed)[0])
+        return np.array(self._run(tail, feed, [self.cuts[-1].output_name])[0])
 
     def capture(
         self, tokens: np.ndarray, extra: Iterable[str] = (), only: bool = False
@@ -260,7 +287,8 @@ class BlockRunner:
         finally:
             del proto.graph.output[:]
             proto.graph.output.extend(saved)
-        values = sess.run(None, feed)
+        sides = {n for c in self.cuts for n in c.side_inputs}
+        values = self._run(sess, feed, feed, first=sides)
         del sess
         outputs = dict(zip(existing + wanted, values, strict=True))
         outputs.update(feed)
@@ -293,8 +321,9 @@ class BlockRunner:
                 self._attention.clear()
             self._attention[k] = (side, self._session(sub))
         side, sess = self._attention[k]
-        feed = {self.cuts[self.unit_of[k]].input_name: stream, **{n: self.side[n] for n in side}}
-        return np.array(sess.run(None, feed)[0])  # a copy: see run_block
+        start = self.cuts[self.unit_of[k]].input_name
+        feed = {start: stream, **{n: self.side[n] for n in side}}
+        return np.array(self._run(sess, feed, [start])[0])  # a copy: see run_block
 
     def run_branches(self, k: int, stream: np.ndarray) -> list[np.ndarray]:
         """What block k's parts add to the stream for block input `stream`: its attention and FFN residual
@@ -309,7 +338,7 @@ class BlockRunner:
             if not self.streaming:  # a streaming runner holds at most one block's weights
                 self._branches[k] = sess
         feed = {cut.input_name: stream, **{n: self.side[n] for n in cut.side_inputs}}
-        return [np.array(v) for v in sess.run(None, feed)]
+        return [np.array(v) for v in self._run(sess, feed, [cut.input_name])]
 
     def run_block(self, k: int, stream: np.ndarray) -> np.ndarray:
         """Cut k's output stream for input `stream` (side tensors from the last capture): block k's, or with
@@ -332,7 +361,12 @@ class BlockRunner:
         feed = {cut.input_name: stream, **{n: self.side[n] for n in cut.side_inputs}}
         # A copy: ONNX Runtime's output array keeps the memory of the run it came from (the session's arena)
         # alive after the session is released; the analysis keeps every block's streams.
-        return np.array(self.block_session(k).run(None, feed)[0])
+        return np.array(self._run(self.block_session(k), feed, [cut.input_name])[0])
+
+
+def _padded(rows: np.ndarray, size: int) -> np.ndarray:
+    """`rows` filled up to `size` rows with copies of its last (a fixed batch's last chunk)."""
+    return rows if len(rows) == size else np.concatenate([rows, np.repeat(rows[-1:], size - len(rows), 0)])
 
 
 def model_logits(
@@ -349,7 +383,15 @@ def model_logits(
     proto = load_proto(path)
     if weight_bytes(ir.serde.deserialize_model(proto)) <= STREAMING_BYTES:  # sizes only: no data is read
         whole = proto if view is None else view(proto)
-        return session(whole, path.parent, threads).run(None, Signature.of(whole).feeds(tokens))[0]
+        signature, sess = Signature.of(whole), session(whole, path.parent, threads)
+        size = signature.batch if tokens.ndim == 2 and not signature.flat else None
+        if size is None or len(tokens) == size:
+            return sess.run(None, signature.feeds(tokens))[0]
+        # a graph that fixes its batch: the windows in chunks of it
+        chunks = [tokens[s : s + size] for s in range(0, len(tokens), size)]
+        runs = [sess.run(None, signature.feeds(_padded(c, size)))[0][: len(c)] for c in chunks]
+        return np.concatenate(runs)
+
     # A fused model's block may hold a whole group's weights: above LARGE_FFN_BYTES, the row-block reference.
     runner = BlockRunner(
         path, threads, streaming=True, large_ffn_bytes=LARGE_FFN_BYTES, view=view, whole_groups=True
