@@ -31,15 +31,19 @@ its norm from the group's last member (plan norm "last") or all ones ("fold").
 
 Memory: one tensor (a band of rows of it for float8 weights) at a time for the tensor checks and the
 dequantized copy; the re-import's and a float reference's logits run block by block above
-block_runner.STREAMING_BYTES (common.logits); the per-channel reference is an FP8 graph and runs whole. Disk:
+block_runner.STREAMING_BYTES (common.logits); the per-channel reference is the FP8 ONNX with its weights'
+DequantizeLinear folded into float initializers (written band by band), a float graph that streams too, and
+ORIGINAL as it runs streams by its blocks (runtime/verify/fp8.py). Disk:
 the dequantized copy, its re-import and the reference, float32, in the system's temporary folder.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import ml_dtypes
@@ -51,14 +55,15 @@ from exporters.hf.safetensors_in import TensorEntry, numpy_dtype, open_checkpoin
 from exporters.nas.safetensors_out import OutTensor, band_rows, copied, write_bands, write_checkpoint
 from passes.error_measures import l2_relative_error, max_abs_relative_error
 from passes.errors import UserError
-from passes.io.model_io import load_model, save_model
+from passes.io.model_io import load_model, save_model, weight_bytes
 from passes.model_map import PLAN_METADATA_KEY, find_blocks
 from passes.patterns.linear import FloatWeight, find_linears
 from passes.quant.calibrate import FP8_MAX
 from passes.quant.fp8 import weight_bands
+from passes.run import block_runner
 from passes.validate import default_tokens
 from runtime.verify.common import logits, metadata_json, round_through
-from runtime.verify.fp8 import is_fp8
+from runtime.verify.fp8 import is_fp8, streamed_logits
 from runtime.verify.options import VerifyOptions
 from runtime.verify.records import VerifyReport
 
@@ -306,15 +311,85 @@ def dequantized_copy(folder: Path, config: dict, entries: dict[str, TensorEntry]
     return target
 
 
+class _Banded(ir.LazyTensor):
+    """A tensor computed a band of rows at a time from another while it is written (tensor_writer calls
+    `tofile`): one band in memory, not the tensor."""
+
+    def __init__(self, name: str, dtype: ir.DataType, shape: ir.Shape,
+                 bands: Callable[[], Iterator[np.ndarray]]) -> None:
+        super().__init__(self._materialize, dtype=dtype, shape=shape, name=name)
+        self.bands = bands
+
+    def __repr__(self) -> str:  # LazyTensor's would print `func`, a bound method whose repr is this one
+        return f"{type(self).__name__}({self.name!r}, {list(self.shape)})"
+
+    def tofile(self, file) -> None:
+        for band in self.bands():
+            file.write(memoryview(np.ascontiguousarray(band).reshape(-1).view(np.uint8)))
+
+    def _materialize(self) -> ir.TensorProtocol:
+        return ir.tensor(np.concatenate(list(self.bands())), dtype=self.dtype, name=self.name)
+
+
 def _quantized(tensor: ir.TensorProtocol, scale: np.float32) -> ir.LazyTensor:
-    """`tensor` replaced by its dequantized per-tensor Q: Q(w, scale) x scale, in float32."""
+    """`tensor` replaced by its dequantized per-tensor Q: Q(w, scale) x scale, in its dtype, band by band."""
 
-    def compute() -> ir.TensorProtocol:
-        array = np.asarray(tensor.numpy()).astype(np.float32)
-        q = np.clip(array / scale, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
-        return ir.tensor((q * scale).astype(tensor.dtype.numpy()), dtype=tensor.dtype, name=tensor.name)
+    def bands() -> Iterator[np.ndarray]:
+        for band in weight_bands(tensor, False, stored=True):
+            q = np.clip(band / scale, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+            yield (q * scale).astype(tensor.dtype.numpy())
 
-    return ir.LazyTensor(compute, dtype=tensor.dtype, shape=tensor.shape, name=tensor.name)
+    return _Banded(tensor.name, tensor.dtype, tensor.shape, bands)
+
+
+def fold_weight_dequantization(model: ir.Model) -> int:
+    """Replace each DequantizeLinear of a float8 [in, out] initializer (per-tensor scale, or per output
+    channel on axis 1: the FP8 pass's forms) by a float initializer of its values (float8 x scale, what
+    DequantizeLinear computes, in the scale's dtype), written band by band: the graph becomes a float graph
+    the block walk reads, so its logits stream above STREAMING_BYTES. Returns the weights folded."""
+    folded = 0
+    for node in list(model.graph):
+        if node.op_type != "DequantizeLinear" or len(node.inputs) < 2 or node.inputs[1] is None:
+            continue
+        q, scale = node.inputs[0], node.inputs[1]
+        if q is None or q.dtype != ir.DataType.FLOAT8E4M3FN or None in (q.const_value, scale.const_value):
+            continue
+        factor = scale.const_value.numpy()
+        axis = node.attributes.get_int("axis", 1)
+        if len(q.shape) != 2 or not (factor.size == 1 or (factor.ndim == 1 and axis in (1, -1))):
+            continue
+        dtype, name = scale.const_value.dtype, f"{q.name}_dequantized"
+        bands = functools.partial(_dequantized_bands, q.const_value, factor.reshape(1, -1), dtype)
+        value = ir.Value(name=name, type=ir.TensorType(dtype), shape=ir.Shape(q.shape))
+        value.const_value = _Banded(name, dtype, ir.Shape(q.shape), bands)
+        model.graph.register_initializer(value)
+        ir.convenience.replace_all_uses_with(node.outputs[0], value)
+        model.graph.remove(node, safe=True)
+        folded += 1
+    for value in list(model.graph.initializers.values()):  # float8 weights and zero points nothing reads now
+        if value.dtype == ir.DataType.FLOAT8E4M3FN and not value.uses():
+            model.graph.initializers.pop(value.name)
+    return folded
+
+
+def _dequantized_bands(
+    tensor: ir.TensorProtocol, factor: np.ndarray, dtype: ir.DataType
+) -> Iterator[np.ndarray]:
+    """float8 rows x their scale, a band of rows at a time."""
+    for band in weight_bands(tensor, False, stored=True):
+        yield (band * factor).astype(dtype.numpy())
+
+
+def _as_run(report: VerifyReport, reference: Path, tokens: np.ndarray, per_tensor: bool) -> np.ndarray:
+    """ORIGINAL's logits as it runs (reported, not bounded). An FP8 ORIGINAL above STREAMING_BYTES of weights
+    is cut by its float reference's blocks (the same stream names: runtime/verify/fp8.py's streamed check)."""
+    weights = weight_bytes(load_model(report.original))
+    if per_tensor or weights <= block_runner.STREAMING_BYTES:
+        return logits(report.original, tokens)
+    sub = VerifyReport("fp8", reference, report.original)
+    streamed = streamed_logits(sub, find_blocks(load_model(reference)), tokens)
+    report.notes.extend(f"ORIGINAL as it runs: {note}" for note in sub.notes)
+    return logits(report.original, tokens) if streamed is None else streamed[1]
 
 
 def strip_activation_quantization(model: ir.Model) -> int:
@@ -361,6 +436,7 @@ def _logits(
             what = "ORIGINAL with its weights quantized per tensor as the checkpoint's"
         else:
             pairs = strip_activation_quantization(reference)
+            fold_weight_dequantization(reference)  # a float graph: its logits stream like any other's
             what = f"ORIGINAL without its {pairs} activation quantizations"
         if rounded:
             what += f", {len(rounded)} float tensors rounded as the checkpoint's"
@@ -369,7 +445,7 @@ def _logits(
         save_model(reference, reference_path, external=True)
         del reference
         ours, theirs = logits(back, tokens), logits(reference_path, tokens)
-        as_run = logits(report.original, tokens)
+        as_run = _as_run(report, reference_path, tokens, per_tensor)
     bound = options.checkpoint_tolerance
     if ours.shape != theirs.shape:
         report.add("logits vs source", False, f"re-import {list(ours.shape)}, ORIGINAL {list(theirs.shape)}")

@@ -2,7 +2,7 @@
 every recorded weight scale equals amax / 448 of its source's output channel, every other weight equals the
 source's, and the logits are within `max_error` of the source's. The weights are compared band by band as
 the pass wrote them, so memory stays near one band of rows. Above block_runner.STREAMING_BYTES of weights both
-graphs' logits run block by block (_streamed_logits), the FP8 graph cut between its source's stream names, and
+graphs' logits run block by block (streamed_logits), the FP8 graph cut between its source's stream names, and
 a block above LARGE_FFN_BYTES of FFN weights (a fused group's) from its rows on both sides: the FP8 graph's
 by passes/reference.py on FP8Weights that model its Q/DQ (_fp8_from_rows)."""
 
@@ -108,7 +108,7 @@ def verify_fp8(report: VerifyReport, options: VerifyOptions) -> None:
     tokens = default_tokens(blocks, report.original, options.seq)
     stream = max(weight_bytes(source), weight_bytes(artifact)) > block_runner.STREAMING_BYTES
     del source, artifact
-    streamed = _streamed_logits(report, blocks, tokens) if stream else None
+    streamed = streamed_logits(report, blocks, tokens) if stream else None
     if streamed is None:
         reference, fp8 = logits(report.original, tokens), logits(report.artifact, tokens)
     else:
@@ -124,7 +124,7 @@ def verify_fp8(report: VerifyReport, options: VerifyOptions) -> None:
     )
 
 
-def _streamed_logits(
+def streamed_logits(
     report: VerifyReport, blocks: list[Block], tokens: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """(source logits, FP8 logits), both graphs run block by block (BlockRunner streaming: one block's weights

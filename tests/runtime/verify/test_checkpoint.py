@@ -166,3 +166,28 @@ def test_logits_run_block_by_block_above_the_streaming_bound(checkpoints, monkey
     report = verify_artifact(checkpoints["fused"], checkpoints["bfloat16"])
     assert report.ok, report.lines()
     assert streamed == [("rounded", True), ("reimport", True)]
+
+
+def test_per_channel_fp8_checkpoint_logits_stream_above_the_bound(checkpoints, monkeypatch):
+    """The per-channel reference (the FP8 ONNX without activation Q/DQ, its weights' DequantizeLinear folded
+    into float initializers written band by band) is a float graph: above STREAMING_BYTES (here: any) it runs
+    block by block like the re-import, and ORIGINAL as it runs is cut by the reference's blocks; the check
+    passes with the same bound, nothing runs whole."""
+    from passes.run import block_runner
+
+    opened = []
+
+    class Recorded(block_runner.BlockRunner):
+        def __init__(self, path, *args, **kwargs) -> None:
+            opened.append((Path(path).parent.name, Path(path).name))
+            super().__init__(path, *args, **kwargs)
+
+    monkeypatch.setattr(block_runner, "BlockRunner", Recorded)
+    monkeypatch.setattr("runtime.verify.fp8.BlockRunner", Recorded)
+    monkeypatch.setattr(block_runner, "STREAMING_BYTES", 0)
+    report = verify_artifact(checkpoints["fused_fp8"], checkpoints["fp8"])
+    assert report.ok, report.lines()
+    assert not any("whole" in note for note in report.notes), report.notes
+    folders = [folder for folder, _ in opened]
+    assert "reimport" in folders and folders.count("reference") == 2  # its logits, and the cut of ORIGINAL
+    assert any(name == checkpoints["fused_fp8"].name for _, name in opened)  # ORIGINAL streamed, by blocks

@@ -81,7 +81,7 @@ def streamed_fp8_logits(source: Path, fp8: Path) -> tuple[np.ndarray, np.ndarray
     blocks = find_blocks(load_model(source))
     tokens = default_tokens(blocks, source)
     report = VerifyReport("fp8", source, fp8)
-    streamed = fp8_check._streamed_logits(report, blocks, tokens)
+    streamed = fp8_check.streamed_logits(report, blocks, tokens)
     assert streamed is not None, report.notes
     return streamed[1], logits(fp8, tokens), report
 
