@@ -124,3 +124,35 @@ def save_llama_family(
             json.dumps({**json.loads(path.read_text()), DROPPED_ATTENTION_KEY: list(drop_attention)})
         )
     return Path(folder)
+
+
+# Llama-family checkpoints of every rope kind and attention variant the exporters cover: architecture and
+# save_pretrained overrides (sharded where max_shard_size says so).
+FAMILY_CASES = {
+    "llama_llama3_tied": (
+        "LlamaForCausalLM",
+        {
+            "tie_word_embeddings": True,
+            "rope_scaling": {**LLAMA3_ROPE, "original_max_position_embeddings": 16},
+        },
+    ),
+    "mistral_yarn_window": (
+        "MistralForCausalLM",
+        {
+            "sliding_window": 4,
+            "max_shard_size": "40KB",
+            "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+        },
+    ),
+    "qwen2_bias_window_dynamic": (
+        "Qwen2ForCausalLM",
+        {
+            "use_sliding_window": True,
+            "sliding_window": 4,
+            "max_window_layers": 1,
+            "max_position_embeddings": 8,  # the decode calls pass it: dynamic NTK grows its base
+            "max_shard_size": "40KB",
+            "rope_scaling": {"rope_type": "dynamic", "factor": 2.0},
+        },
+    ),
+}

@@ -23,6 +23,7 @@ import torch
 from exporters.export_record import ExportResult
 from exporters.hf.checkpoint import METADATA_KEY, export_hf
 from tests.exporters.hf_fixtures import (
+    FAMILY_CASES,
     LLAMA3_ROPE,
     deci_block,
     nemotron_config,
@@ -201,44 +202,13 @@ def nemotron_bf16(nemotron_folder, tmp_path_factory) -> Path:
     return path
 
 
-LLAMA_CASES = {
-    # architecture, save_pretrained overrides
-    "llama_llama3_tied": (
-        "LlamaForCausalLM",
-        {
-            "tie_word_embeddings": True,
-            "rope_scaling": {**LLAMA3_ROPE, "original_max_position_embeddings": 16},
-        },
-    ),
-    "mistral_yarn_window": (
-        "MistralForCausalLM",
-        {
-            "sliding_window": 4,
-            "max_shard_size": "40KB",
-            "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
-        },
-    ),
-    "qwen2_bias_dynamic": (
-        "Qwen2ForCausalLM",
-        {
-            "use_sliding_window": True,
-            "sliding_window": 4,
-            "max_window_layers": 1,
-            "max_position_embeddings": 8,
-            "max_shard_size": "40KB",
-            "rope_scaling": {"rope_type": "dynamic", "factor": 2.0},
-        },
-    ),
-}
-
-
 @pytest.fixture(scope="session")
 def llama_exports(tmp_path_factory):
     cache: dict[str, tuple[Path, Path]] = {}
 
     def get(case: str) -> tuple[Path, Path]:
         if case not in cache:
-            architecture, overrides = LLAMA_CASES[case]
+            architecture, overrides = FAMILY_CASES[case]
             base = tmp_path_factory.mktemp(case)
             folder = save_llama_family(base / "ckpt", architecture, vocab_size=VOCAB, **overrides)
             export_hf(folder, base / "onnx" / "model.onnx", dtype="float32")
@@ -271,7 +241,7 @@ def transformers_logits(folder: Path, ids: np.ndarray) -> np.ndarray:
 # ------------------------------------------------------------------------------------------ numerics
 
 
-@pytest.mark.parametrize("case", list(LLAMA_CASES))
+@pytest.mark.parametrize("case", list(FAMILY_CASES))
 def test_llama_family_matches_transformers(llama_exports, case: str) -> None:
     folder, path = llama_exports(case)
     ids = tokens()

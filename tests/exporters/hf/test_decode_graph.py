@@ -27,7 +27,7 @@ import torch
 from exporters.hf.checkpoint import export_hf
 from exporters.hf.synthetic import write_all_kinds
 from passes.error_measures import max_abs_relative_error
-from tests.exporters.hf_fixtures import LLAMA3_ROPE, puzzle_models, save_llama_family
+from tests.exporters.hf_fixtures import FAMILY_CASES, puzzle_models, save_llama_family
 
 ROOT = Path(__file__).resolve().parents[3]
 TOLERANCE = 1e-5  # relative to the largest value compared (measured: ~1e-7 to 1e-6)
@@ -35,32 +35,9 @@ VOCAB = 96
 Steps = tuple[np.ndarray, dict[str, np.ndarray]]  # logits [batch, length, vocab], presents by name
 PRUNED_DEMO = Path.home() / ".cache" / "ffn-fusion" / "demo" / "smollm2-pruned-remove6-runs2"
 
-# save_pretrained overrides: every rope kind and attention variant the prefill graph covers, in a cache.
+# every rope kind and attention variant the prefill graph covers, and dropped attention
 HF_CASES = {
-    "llama_llama3_tied": (
-        "LlamaForCausalLM",
-        {
-            "tie_word_embeddings": True,
-            "rope_scaling": {**LLAMA3_ROPE, "original_max_position_embeddings": 16},
-        },
-    ),
-    "mistral_yarn_window": (
-        "MistralForCausalLM",
-        {
-            "sliding_window": 4,
-            "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
-        },
-    ),
-    "qwen2_bias_window_dynamic": (
-        "Qwen2ForCausalLM",
-        {
-            "use_sliding_window": True,
-            "sliding_window": 4,
-            "max_window_layers": 1,
-            "max_position_embeddings": 8,  # the decode calls pass it: dynamic NTK grows its base
-            "rope_scaling": {"rope_type": "dynamic", "factor": 2.0},
-        },
-    ),
+    **FAMILY_CASES,
     "llama_dropped_attention": ("LlamaForCausalLM", {"num_hidden_layers": 5, "drop_attention": (1, 2, 3)}),
 }
 
