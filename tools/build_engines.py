@@ -23,7 +23,7 @@ from runtime.text_sets import TOKENIZERS
 CALIB_HELP = """\
 calibration (--fp8):
   --calib takes text files or one .npy of int64 token ids [batch, seq]. Text is tokenized with
-  --tokenizer: 'smollm2' uses exporters.smollm2.load_tokenizer() (the SmolLM2 GGUF tokenizer); 'bytes'
+  --tokenizer: 'smollm2' uses the SmolLM2 GGUF tokenizer (exporters/smollm2_tokenizer.py); 'bytes'
   is a fallback that maps each UTF-8 byte to a token id, clipped to the model's vocabulary (fine for
   test models, crude for real ones); 'auto' (default) takes smollm2 when the model's vocabulary is
   SmolLM2's (49152) and the package is installed, else bytes. Without --calib the default calibration

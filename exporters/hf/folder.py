@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from exporters.smollm2 import check_blocks, load_tokenizer, load_torch_model
+from exporters.smollm2 import check_blocks, load_torch_model
+from exporters.smollm2_tokenizer import load_tokenizer
 
 # config.json key listing the layers whose attention was dropped (o_proj zero); ignored by transformers.
 DROPPED_ATTENTION_KEY = "ffn_fusion_dropped_attention"

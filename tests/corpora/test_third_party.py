@@ -236,7 +236,7 @@ def test_generate(fused, third_party_corpus, corpus_hf, monkeypatch, capsys, nam
         assert original == torch_greedy(corpus_hf, tuple(prompt), False)
     path, _ = fused(name, "last")
     # the SmolLM2 tokenizer from the corpus' HF folder: the same vocabulary, without parsing the GGUF again
-    monkeypatch.setattr("exporters.smollm2.load_tokenizer", lambda: tokenizer)
+    monkeypatch.setattr("exporters.smollm2_tokenizer.load_tokenizer", lambda: tokenizer)
     args = [str(path), "--prompt", PROMPT, "--raw", "--max-new-tokens", str(NEW_TOKENS), "--stats"]
     assert tool_main("generate")(args) == 0
     out, err = capsys.readouterr()

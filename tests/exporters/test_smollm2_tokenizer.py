@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from exporters import smollm2
+from exporters import smollm2_tokenizer as smollm2
 
 TEXT = "Copyright (C) 1989, 1991 Free Software Foundation, Inc.\n  héllo 😀\n\tdef f(x): return x ** 2\n"
 CHAT = [
@@ -30,3 +30,22 @@ def test_tokenizer_folder_cache_gives_the_same_tokenizer(tmp_path, monkeypatch):
     assert chat[0] == chat[1] and "capital of France" in chat[0]
     assert (from_folder.eos_token_id, from_folder.all_special_ids, len(from_folder)) == (
         from_gguf.eos_token_id, from_gguf.all_special_ids, len(from_gguf))
+
+
+def test_text_is_read_with_the_same_ids_and_without_transformers():
+    """runtime/text_sets reads text with the bare `tokenizers` encoder: load_tokenizer's ids, in a process
+    that imports neither transformers nor torch (each tool that reads text saved about 9 s of imports)."""
+    import subprocess
+    import sys
+
+    from runtime.text_sets import CALIBRATION_FILES, SMOLLM2_VOCAB, read_texts
+
+    tokenizer, encoder = smollm2.load_tokenizer(), smollm2.load_encoder()
+    for text in (TEXT, read_texts(CALIBRATION_FILES[:1])):
+        assert encoder.encode(text, add_special_tokens=False).ids == tokenizer(
+            text, add_special_tokens=False)["input_ids"]
+    script = ("import sys; from runtime.text_sets import encoder_for; "
+              f"ids = encoder_for({SMOLLM2_VOCAB})({TEXT!r}); "
+              "print(len(ids), 'transformers' in sys.modules, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert out.split() == [str(len(tokenizer(TEXT, add_special_tokens=False)["input_ids"])), "False", "False"]

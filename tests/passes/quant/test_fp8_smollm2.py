@@ -22,7 +22,7 @@ BOUNDS = {"unfused": (0.15, 0.99), "fused": (0.15, 0.99)}
 
 
 def _tokens(count: int, length: int, seed: int) -> np.ndarray:
-    from exporters.smollm2 import load_tokenizer
+    from exporters.smollm2_tokenizer import load_tokenizer
 
     with open("/usr/share/common-licenses/GPL-3") as f:
         text = f.read()
