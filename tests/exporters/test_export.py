@@ -251,9 +251,9 @@ def test_tool_bad_input_is_one_line_error(tool, tmp_path):
 
 
 def _prompt_ids() -> np.ndarray:
-    from exporters import smollm2
+    from exporters import smollm2_tokenizer
 
-    return smollm2.load_tokenizer()(PROMPT, return_tensors="np")["input_ids"].astype(np.int64)
+    return smollm2_tokenizer.load_tokenizer()(PROMPT, return_tensors="np")["input_ids"].astype(np.int64)
 
 
 def _hf_logits(model: torch.nn.Module, ids: np.ndarray) -> np.ndarray:
@@ -277,9 +277,9 @@ def test_smollm2_pruned_matches_patched_torch(smollm2_pruned_onnx):
 
 @pytest.mark.slow
 def test_smollm2_unchanged_greedy_token_torch_equals_ort(smollm2_onnx):
-    from exporters import smollm2
+    from exporters import smollm2, smollm2_tokenizer
 
-    tokenizer = smollm2.load_tokenizer()
+    tokenizer = smollm2_tokenizer.load_tokenizer()
     ids = _prompt_ids()
     ref = _hf_logits(smollm2.load_torch_model(), ids)
     got = ort_logits(smollm2_onnx, ids)

@@ -1,11 +1,11 @@
-"""exporters/smollm2.load_tokenizer: read from the GGUF once, then from the tokenizer folder it saved under
-the cache; both give the same ids, chat template and special tokens."""
+"""exporters/smollm2_tokenizer.load_tokenizer: read from the GGUF once, then from the tokenizer folder
+it saved under the cache; both give the same ids, chat template and special tokens."""
 
 from __future__ import annotations
 
 import pytest
 
-from exporters import smollm2_tokenizer as smollm2
+from exporters import smollm2_tokenizer
 
 TEXT = "Copyright (C) 1989, 1991 Free Software Foundation, Inc.\n  héllo 😀\n\tdef f(x): return x ** 2\n"
 CHAT = [
@@ -17,7 +17,7 @@ CHAT = [
 @pytest.mark.slow  # the GGUF's tokenizer is parsed once (about 10 s of CPU)
 def test_tokenizer_folder_cache_gives_the_same_tokenizer(tmp_path, monkeypatch):
     monkeypatch.setenv("FFN_FUSION_CACHE", str(tmp_path))
-    load = smollm2.load_tokenizer.__wrapped__  # past the per-process cache
+    load = smollm2_tokenizer.load_tokenizer.__wrapped__  # past the per-process cache
     from_gguf = load()
     (folder,) = (tmp_path / "tokenizers").iterdir()
     assert (folder / "tokenizer.json").is_file() and folder.name.startswith("smollm2-")
@@ -40,7 +40,7 @@ def test_text_is_read_with_the_same_ids_and_without_transformers():
 
     from runtime.text_sets import CALIBRATION_FILES, SMOLLM2_VOCAB, read_texts
 
-    tokenizer, encoder = smollm2.load_tokenizer(), smollm2.load_encoder()
+    tokenizer, encoder = smollm2_tokenizer.load_tokenizer(), smollm2_tokenizer.load_encoder()
     for text in (TEXT, read_texts(CALIBRATION_FILES[:1])):
         assert encoder.encode(text, add_special_tokens=False).ids == tokenizer(
             text, add_special_tokens=False)["input_ids"]

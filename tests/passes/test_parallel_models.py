@@ -62,14 +62,11 @@ def check(report, groups, out: Path) -> None:
     assert [p.size for p in model_map.parallel] == [j - i + 1 for i, j in groups]
 
 
-def test_smollm2_two_parallel_groups_equal_torch(tmp_path) -> None:
+def test_smollm2_two_parallel_groups_equal_torch(smollm2_onnx, tmp_path) -> None:
     from exporters import smollm2
-    from exporters.onnx_export import export_smollm2
 
-    source = tmp_path / "smollm2.onnx"
-    export_smollm2(source, drop_attention=())
     out = tmp_path / "smollm2.parallel.onnx"
-    report = fuse_file(source, parse_plan({"parallel_blocks": SMOLLM2_GROUPS}), out).report
+    report = fuse_file(smollm2_onnx, parse_plan({"parallel_blocks": SMOLLM2_GROUPS}), out).report
     check(report, SMOLLM2_GROUPS, out)
     print("\n".join(report.lines()))
     assert rel(ort_logits(out), torch_logits(smollm2.load_torch_model(), SMOLLM2_GROUPS)) < 1e-4

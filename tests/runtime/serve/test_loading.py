@@ -52,8 +52,9 @@ def test_smollm2_greedy_text_equals_transformers(smollm2_decode_onnx):
     greedy completions and chat replies equal transformers' greedy generation of the same model, alone,
     streamed, and among 8 concurrent clients."""
     from exporters import smollm2  # imports transformers: only when this slow test runs
+    from exporters.smollm2_tokenizer import load_tokenizer
 
-    hf, tokenizer = smollm2.load_pruned(), smollm2.load_tokenizer()
+    hf, tokenizer = smollm2.load_pruned(), load_tokenizer()
     prompts = [
         "The capital of France is",
         "def fibonacci(n):",
