@@ -1,8 +1,8 @@
 """Token log-probabilities: computed from logits, and written in the OpenAI API's two formats.
 
-The numbers are the log-softmax of the model's float32 logits, computed in float64 exactly as
-runtime/evaluate.py computes perplexity: the model's own distribution, before temperature, penalties, top-k
-or top-p (vLLM's default; what an evaluation harness sums). A prompt's first token has no logprob (nothing
+The numbers are the log-softmax of the model's float32 logits, in float64 with runtime/evaluate.py's
+function (the one perplexity uses): the model's own distribution, before temperature, penalties, top-k or
+top-p (vLLM's default; what an evaluation harness sums). A prompt's first token has no logprob (nothing
 predicts it); token t of the prompt is scored by the logits at position t - 1.
 
     entries = score_prompt(logits[len(prompt), vocab], prompt, top=1)   # tokens 1.. of the prompt
@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from runtime.evaluate import log_softmax  # the arithmetic perplexity uses
+
 FLOOR = -9999.0  # JSON has no -inf: the lowest logprob reported (as vLLM)
 
 
@@ -29,13 +31,6 @@ class TokenLogprob:
     token: int
     logprob: float | None = None
     top: tuple[tuple[int, float], ...] = ()  # (token, logprob), most likely first
-
-
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """float64 log-softmax over the last axis (runtime/evaluate.py's arithmetic)."""
-    x = logits.astype(np.float64)
-    x -= x.max(axis=-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
 
 
 def _entries(logprobs: np.ndarray, tokens: Sequence[int], top: int) -> list[TokenLogprob]:

@@ -3,8 +3,6 @@ block's weights are loaded at a time; results equal the whole-model runner's."""
 
 from __future__ import annotations
 
-import weakref
-
 import numpy as np
 import pytest
 
@@ -13,6 +11,7 @@ from passes import reference
 from passes.analysis.dependency import analyze
 from passes.run import block_runner as runner
 from passes.run.block_runner import BlockRunner
+from tests.passes.run.live_sessions import LiveSessions
 
 BLOCKS = [(True, 48), (True, 64), (False, 40), (False, 56), (True, 32), (False, 24)]
 
@@ -23,30 +22,10 @@ def model(tmp_path_factory):
     return build_synthetic(SyntheticSpec(hidden=32, blocks=BLOCKS, seed=4), folder / "m.onnx", external=True)
 
 
-class _LiveSessions:
-    """Counts the ONNX Runtime sessions alive at once (runner.session wrapped)."""
-
-    def __init__(self, monkeypatch):
-        self.live = self.peak = 0
-        original = runner.session
-
-        def counted(*args, **kwargs):
-            sess = original(*args, **kwargs)
-            self.live += 1
-            self.peak = max(self.peak, self.live)
-            weakref.finalize(sess, self._closed)
-            return sess
-
-        monkeypatch.setattr(runner, "session", counted)
-
-    def _closed(self) -> None:
-        self.live -= 1
-
-
 def test_streaming_analysis_equals_whole_model(model, monkeypatch):
     tokens = np.random.default_rng(0).integers(0, 64, (2, 16))
     whole = analyze(model, tokens, progress=False, runner=BlockRunner(model, streaming=False))
-    sessions = _LiveSessions(monkeypatch)
+    sessions = LiveSessions(monkeypatch, runner)
     streaming = BlockRunner(model, streaming=True)
     streamed = analyze(model, tokens, progress=False, runner=streaming)
     assert sessions.peak == 1  # one block (or the prefix) at a time, never the whole model
@@ -65,7 +44,7 @@ def test_streaming_logits_of_a_skip_norm_graph(skip_norm_model, monkeypatch):
     tokens = np.random.default_rng(2).integers(0, 64, (2, 12))
     whole = BlockRunner(skip_norm_model, streaming=False)
     whole.capture(tokens)
-    sessions = _LiveSessions(monkeypatch)
+    sessions = LiveSessions(monkeypatch, runner)
     assert np.allclose(runner.model_logits(skip_norm_model, tokens), whole.logits, rtol=1e-5, atol=1e-5)
     monkeypatch.setattr(runner, "STREAMING_BYTES", 0)
     streamed = runner.model_logits(skip_norm_model, tokens)
@@ -78,7 +57,7 @@ def test_streaming_capture_keeps_what_is_asked(model, monkeypatch):
     plain, streamed = BlockRunner(model, streaming=False), BlockRunner(model, streaming=True)
     names = [b.ffn_input.name for b in plain.blocks[:4]] + [plain.blocks[3].residual.output.name]
     expected = plain.capture(tokens, extra=names, only=True)
-    sessions = _LiveSessions(monkeypatch)
+    sessions = LiveSessions(monkeypatch, runner)
     got = streamed.capture(tokens, extra=names, only=True)
     assert sessions.peak == 1
     for name in names:

@@ -5,7 +5,6 @@ and Linear layers, and a parallel-block decode graph (the group one cut)."""
 
 from __future__ import annotations
 
-import weakref
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +17,7 @@ from passes.run import decode_stream
 from passes.run.decode_stream import DecodeCall, DecodeStreamer
 from runtime.generate import DecodeModel
 from tests import decode_fixtures
+from tests.passes.run.live_sessions import LiveSessions
 
 
 def calls(vocab: int, length: int = 10) -> list[DecodeCall]:
@@ -44,31 +44,10 @@ def whole(path: Path, sequence: list[DecodeCall]) -> list[np.ndarray]:
     return results
 
 
-class _LiveSessions:
-    """The ONNX Runtime sessions alive at once (decode_stream.session wrapped)."""
-
-    def __init__(self, monkeypatch) -> None:
-        self.live = self.peak = self.opened = 0
-        original = decode_stream.session
-
-        def counted(*args, **kwargs):
-            sess = original(*args, **kwargs)
-            self.live += 1
-            self.opened += 1
-            self.peak = max(self.peak, self.live)
-            weakref.finalize(sess, self._closed)
-            return sess
-
-        monkeypatch.setattr(decode_stream, "session", counted)
-
-    def _closed(self) -> None:
-        self.live -= 1
-
-
 def _assert_same(path: Path, vocab: int, monkeypatch, large_ffn_bytes: int | None = None) -> DecodeStreamer:
     sequence = calls(vocab)
     expected = whole(path, sequence)
-    sessions = _LiveSessions(monkeypatch)
+    sessions = LiveSessions(monkeypatch, decode_stream)
     streamer = DecodeStreamer(path, large_ffn_bytes=large_ffn_bytes)
     got = streamer.run(sequence)
     assert [g.shape for g in got] == [e.shape for e in expected]

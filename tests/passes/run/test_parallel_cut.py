@@ -16,7 +16,7 @@ from passes.plan import parse_plan
 from passes.run import block_runner as runner
 from passes.run.block_runner import BlockRunner
 from passes.run.cut import cut_blocks
-from tests.passes.run.test_block_runner import _LiveSessions
+from tests.passes.run.live_sessions import LiveSessions
 
 # Blocks 0-3 full (GQA + SwiGLU: rotary tables and the mask are side inputs), 4-5 FFN only.
 PLAN = {"groups": [[4, 5]], "parallel_blocks": [[1, 3]], "norm": "last"}
@@ -72,7 +72,7 @@ def test_streamed_capture_and_logits_equal_the_whole_run(parallel, monkeypatch):
     whole = BlockRunner(parallel, streaming=False, whole_groups=True)
     captured = whole.capture(tokens)
     assert np.allclose(runner.model_logits(parallel, tokens), whole.logits, rtol=1e-5, atol=1e-5)
-    sessions = _LiveSessions(monkeypatch)
+    sessions = LiveSessions(monkeypatch, runner)
     streaming = BlockRunner(parallel, streaming=True, whole_groups=True)
     streamed = streaming.capture(tokens)
     assert sessions.peak == 1  # the prefix, one block or one whole group, the tail: one at a time
