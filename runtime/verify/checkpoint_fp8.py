@@ -380,16 +380,20 @@ def _dequantized_bands(
         yield (band * factor).astype(dtype.numpy())
 
 
-def _as_run(report: VerifyReport, reference: Path, tokens: np.ndarray, per_tensor: bool) -> np.ndarray:
-    """ORIGINAL's logits as it runs (reported, not bounded). An FP8 ORIGINAL above STREAMING_BYTES of weights
-    is cut by its float reference's blocks (the same stream names: runtime/verify/fp8.py's streamed check)."""
+def _reference_and_as_run(
+    report: VerifyReport, reference: Path, tokens: np.ndarray, per_tensor: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """The float reference's logits, and ORIGINAL's as it runs (reported, not bounded). An FP8 ORIGINAL above
+    STREAMING_BYTES of weights is cut by its float reference's blocks (the same stream names:
+    runtime/verify/fp8.py's streamed check), which runs the reference in the same pass."""
     weights = weight_bytes(load_model(report.original))
-    if per_tensor or weights <= block_runner.STREAMING_BYTES:
-        return logits(report.original, tokens)
-    sub = VerifyReport("fp8", reference, report.original)
-    streamed = streamed_logits(sub, find_blocks(load_model(reference)), tokens)
-    report.notes.extend(f"ORIGINAL as it runs: {note}" for note in sub.notes)
-    return logits(report.original, tokens) if streamed is None else streamed[1]
+    if not per_tensor and weights > block_runner.STREAMING_BYTES:
+        sub = VerifyReport("fp8", reference, report.original)
+        streamed = streamed_logits(sub, find_blocks(load_model(reference)), tokens)
+        report.notes.extend(f"ORIGINAL as it runs: {note}" for note in sub.notes)
+        if streamed is not None:
+            return streamed
+    return logits(reference, tokens), logits(report.original, tokens)
 
 
 def strip_activation_quantization(model: ir.Model) -> int:
@@ -444,8 +448,8 @@ def _logits(
         reference_path.parent.mkdir()
         save_model(reference, reference_path, external=True)
         del reference
-        ours, theirs = logits(back, tokens), logits(reference_path, tokens)
-        as_run = _as_run(report, reference_path, tokens, per_tensor)
+        ours = logits(back, tokens)
+        theirs, as_run = _reference_and_as_run(report, reference_path, tokens, per_tensor)
     bound = options.checkpoint_tolerance
     if ours.shape != theirs.shape:
         report.add("logits vs source", False, f"re-import {list(ours.shape)}, ORIGINAL {list(theirs.shape)}")

@@ -170,9 +170,9 @@ def test_logits_run_block_by_block_above_the_streaming_bound(checkpoints, monkey
 
 def test_per_channel_fp8_checkpoint_logits_stream_above_the_bound(checkpoints, monkeypatch):
     """The per-channel reference (the FP8 ONNX without activation Q/DQ, its weights' DequantizeLinear folded
-    into float initializers written band by band) is a float graph: above STREAMING_BYTES (here: any) it runs
-    block by block like the re-import, and ORIGINAL as it runs is cut by the reference's blocks; the check
-    passes with the same bound, nothing runs whole."""
+    into float initializers written band by band) is a float graph: above STREAMING_BYTES (here: any) it
+    runs block by block like the re-import, in one pass with ORIGINAL as it runs (cut by the reference's
+    blocks); the check passes with the same bound, nothing runs whole."""
     from passes.run import block_runner
 
     opened = []
@@ -189,5 +189,5 @@ def test_per_channel_fp8_checkpoint_logits_stream_above_the_bound(checkpoints, m
     assert report.ok, report.lines()
     assert not any("whole" in note for note in report.notes), report.notes
     folders = [folder for folder, _ in opened]
-    assert "reimport" in folders and folders.count("reference") == 2  # its logits, and the cut of ORIGINAL
+    assert "reimport" in folders and folders.count("reference") == 1  # with ORIGINAL cut by it
     assert any(name == checkpoints["fused_fp8"].name for _, name in opened)  # ORIGINAL streamed, by blocks
