@@ -15,6 +15,7 @@ need single blocks and run on the original model).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
@@ -109,12 +110,18 @@ class BlockRunner:
         self._tail: tuple[list[str], onnx.ModelProto] | None = None
         self._tail_session: ort.InferenceSession | None = None
         self._branches: dict[int, ort.InferenceSession] = {}
-        # Streaming: blocks with more FFN weight bytes than this run through the row-block reference.
-        self.large_ffn_bytes = large_ffn_bytes
         self.view = view
         self.from_rows = dict(from_rows or {})
         for k in self.from_rows:
             self._single(k, "an FFN from its rows")
+        if self.streaming and large_ffn_bytes is not None:
+            # A fused group's block can hold a whole group of weights: its FFN is evaluated in float64 from
+            # its weights a row block at a time (passes/reference.py) instead of loaded. A parallel group
+            # runs whole, whatever its members' sizes: no member has a stream of its own to start from.
+            for k, block in enumerate(self.blocks):
+                large = block.ffn is not None and ffn_weight_bytes(block) > large_ffn_bytes
+                if large and block.parallel is None and k not in self.from_rows:
+                    self.from_rows[k] = functools.partial(_ffn_from_rows, block)
 
     def _single(self, k: int, what: str) -> Block:
         """Block position k's block, for a use that needs it alone: refused for a parallel group's member."""
@@ -348,20 +355,20 @@ class BlockRunner:
             return np.array(stream)
         position = self.units[k][0]
         block = self.blocks[position]
-        if self.streaming and position in self.from_rows:  # the caller's row-block reference of the FFN
+        if self.streaming and position in self.from_rows:  # a large FFN evaluated from its rows
             x = self.run_attention(position, stream) if block.attention_kind != "none" else stream
             return self.from_rows[position](x).astype(stream.dtype)
-        limit = self.large_ffn_bytes if self.cuts[k].group is None else None  # a group: one session
-        if self.streaming and limit is not None and block.ffn is not None and ffn_weight_bytes(block) > limit:
-            # A fused group's block can hold a whole group of weights: evaluate its FFN in float64
-            # from its weights a row block at a time (passes/reference.py) instead of loading them.
-            x = self.run_attention(position, stream) if block.attention_kind != "none" else stream
-            return parallel_sum(x, [block], "last").astype(stream.dtype)
         cut = self.cuts[k]
         feed = {cut.input_name: stream, **{n: self.side[n] for n in cut.side_inputs}}
         # A copy: ONNX Runtime's output array keeps the memory of the run it came from (the session's arena)
         # alive after the session is released; the analysis keeps every block's streams.
         return np.array(self._run(self.block_session(k), feed, [cut.input_name])[0])
+
+
+def _ffn_from_rows(block: Block, x: np.ndarray) -> np.ndarray:
+    """Block's output stream from the stream after its attention part: its FFN branch added in float64,
+    its weights read a row block at a time (passes/reference.py)."""
+    return parallel_sum(x, [block], "last")
 
 
 def _padded(rows: np.ndarray, size: int) -> np.ndarray:
