@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import ml_dtypes
@@ -107,29 +107,38 @@ def to_fp8(weight: np.ndarray, scale: np.ndarray) -> np.ndarray:
     return np.clip(weight / scale, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
 
 
-class _FP8Weight(ir.LazyTensor):
+class BandedTensor(ir.LazyTensor):
+    """A tensor computed a band of rows at a time (`bands()`, each call a fresh pass) while it is written
+    (the tensor writer calls `tofile`): one band in memory, never the whole tensor."""
+
+    def __init__(self, name: str, dtype: ir.DataType, shape: ir.Shape,
+                 bands: Callable[[], Iterator[np.ndarray]]) -> None:
+        super().__init__(self._materialize, dtype=dtype, shape=shape, name=name)
+        self.bands = bands
+
+    def __repr__(self) -> str:  # LazyTensor's would print `func`, a bound method whose repr is this one
+        return f"{type(self).__name__}({self.name!r}, {list(self.shape)})"
+
+    def tofile(self, file) -> None:
+        for band in self.bands():
+            file.write(memoryview(np.ascontiguousarray(band).reshape(-1).view(np.uint8)))
+
+    def _materialize(self) -> ir.TensorProtocol:
+        return ir.Tensor(np.concatenate(list(self.bands())), dtype=self.dtype, name=self.name)
+
+
+class _FP8Weight(BandedTensor):
     """The [in, out] float8e4m3fn weight, quantized band by band from its source while it is written."""
 
     def __init__(self, tensor: ir.TensorProtocol, transpose: bool, scale: np.ndarray, name: str) -> None:
         rows, cols = (int(d) for d in tensor.shape)
         shape = ir.Shape([cols, rows] if transpose else [rows, cols])
-        super().__init__(self._materialize, dtype=ir.DataType.FLOAT8E4M3FN, shape=shape, name=name)
-        self.source, self.transpose, self.scale = tensor, transpose, scale
+        bands = lambda: (to_fp8(band, scale) for band in weight_bands(tensor, transpose))  # noqa: E731
+        super().__init__(name, ir.DataType.FLOAT8E4M3FN, shape, bands)
+        self.source = tensor
 
-    def __repr__(self) -> str:  # LazyTensor's would print `func`, a bound method whose repr is this one
+    def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, {list(self.shape)}, from {self.source.name!r})"
-
-    def bands(self) -> Iterator[np.ndarray]:
-        for band in weight_bands(self.source, self.transpose):
-            yield np.ascontiguousarray(to_fp8(band, self.scale))
-
-    def tofile(self, file) -> None:
-        for band in self.bands():
-            file.write(memoryview(band.view(np.uint8).reshape(-1)))
-
-    def _materialize(self) -> ir.TensorProtocol:
-        array = np.concatenate(list(self.bands()))
-        return ir.Tensor(array, dtype=ir.DataType.FLOAT8E4M3FN, name=self.name)
 
 
 class _Namer:

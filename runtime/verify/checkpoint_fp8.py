@@ -43,7 +43,7 @@ import functools
 import json
 import re
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import ml_dtypes
@@ -59,7 +59,7 @@ from passes.io.model_io import load_model, save_model, weight_bytes
 from passes.model_map import PLAN_METADATA_KEY, find_blocks
 from passes.patterns.linear import FloatWeight, find_linears
 from passes.quant.calibrate import FP8_MAX
-from passes.quant.fp8 import weight_bands
+from passes.quant.fp8 import BandedTensor, weight_bands
 from passes.run import block_runner
 from passes.validate import default_tokens
 from runtime.verify.common import logits, metadata_json, round_through
@@ -311,26 +311,6 @@ def dequantized_copy(folder: Path, config: dict, entries: dict[str, TensorEntry]
     return target
 
 
-class _Banded(ir.LazyTensor):
-    """A tensor computed a band of rows at a time from another while it is written (tensor_writer calls
-    `tofile`): one band in memory, not the tensor."""
-
-    def __init__(self, name: str, dtype: ir.DataType, shape: ir.Shape,
-                 bands: Callable[[], Iterator[np.ndarray]]) -> None:
-        super().__init__(self._materialize, dtype=dtype, shape=shape, name=name)
-        self.bands = bands
-
-    def __repr__(self) -> str:  # LazyTensor's would print `func`, a bound method whose repr is this one
-        return f"{type(self).__name__}({self.name!r}, {list(self.shape)})"
-
-    def tofile(self, file) -> None:
-        for band in self.bands():
-            file.write(memoryview(np.ascontiguousarray(band).reshape(-1).view(np.uint8)))
-
-    def _materialize(self) -> ir.TensorProtocol:
-        return ir.tensor(np.concatenate(list(self.bands())), dtype=self.dtype, name=self.name)
-
-
 def _quantized(tensor: ir.TensorProtocol, scale: np.float32) -> ir.LazyTensor:
     """`tensor` replaced by its dequantized per-tensor Q: Q(w, scale) x scale, in its dtype, band by band."""
 
@@ -339,7 +319,7 @@ def _quantized(tensor: ir.TensorProtocol, scale: np.float32) -> ir.LazyTensor:
             q = np.clip(band / scale, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
             yield (q * scale).astype(tensor.dtype.numpy())
 
-    return _Banded(tensor.name, tensor.dtype, tensor.shape, bands)
+    return BandedTensor(tensor.name, tensor.dtype, tensor.shape, bands)
 
 
 def fold_weight_dequantization(model: ir.Model) -> int:
@@ -361,7 +341,7 @@ def fold_weight_dequantization(model: ir.Model) -> int:
         dtype, name = scale.const_value.dtype, f"{q.name}_dequantized"
         bands = functools.partial(_dequantized_bands, q.const_value, factor.reshape(1, -1), dtype)
         value = ir.Value(name=name, type=ir.TensorType(dtype), shape=ir.Shape(q.shape))
-        value.const_value = _Banded(name, dtype, ir.Shape(q.shape), bands)
+        value.const_value = BandedTensor(name, dtype, ir.Shape(q.shape), bands)
         model.graph.register_initializer(value)
         ir.convenience.replace_all_uses_with(node.outputs[0], value)
         model.graph.remove(node, safe=True)
