@@ -13,6 +13,7 @@ token ids as an .npy file.
 
 from __future__ import annotations
 
+import importlib.util
 import sysconfig
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -92,8 +93,9 @@ def tokenizer_for(vocab: int) -> Any | None:
 
 
 def has_tokenizer(vocab: int) -> bool:
-    """Is the model's tokenizer known from its vocabulary size (SmolLM2's) and installed?"""
-    if vocab != SMOLLM2_VOCAB:
+    """Is the model's tokenizer known from its vocabulary size (SmolLM2's) and installed (the GGUF package,
+    and transformers to read it: the `export` extra)? Nothing is imported to tell."""
+    if vocab != SMOLLM2_VOCAB or not all(importlib.util.find_spec(m) for m in ("transformers", "tokenizers")):
         return False
     from exporters.smollm2_tokenizer import gguf_folder
 
