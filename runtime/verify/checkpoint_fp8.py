@@ -366,8 +366,7 @@ def _reference_and_as_run(
     """The float reference's logits, and ORIGINAL's as it runs (reported, not bounded). An FP8 ORIGINAL above
     STREAMING_BYTES of weights is cut by its float reference's blocks (the same stream names:
     runtime/verify/fp8.py's streamed check), which runs the reference in the same pass."""
-    weights = weight_bytes(load_model(report.original))
-    if not per_tensor and weights > block_runner.STREAMING_BYTES:
+    if not per_tensor and weight_bytes(load_model(report.original)) > block_runner.STREAMING_BYTES:
         sub = VerifyReport("fp8", reference, report.original)
         streamed = streamed_logits(sub, find_blocks(load_model(reference)), tokens)
         report.notes.extend(f"ORIGINAL as it runs: {note}" for note in sub.notes)
