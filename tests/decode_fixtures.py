@@ -1,7 +1,7 @@
 """Tiny decode-graph models shared by tests/exporters/test_decode.py, tests/runtime and tests/tools.
 
-Each model is exported on first use into `<session base temp>/decode_models/`, so the three test
-folders share one export per session. Import as `from tests import decode_fixtures`.
+Each model is exported on first use into the artifact cache (tests/artifacts.py), so every test folder
+and pytest-xdist worker shares one export. Import as `from tests import decode_fixtures`.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from exporters.spec import BlockSpec, ModelSpec
+from tests.artifacts import artifact
 
 TINY_SEED = 1
 # Attention at blocks 0 and 4: groups [0, 2] and [4, 6] are valid (only a group's first block has attention).
@@ -45,25 +46,28 @@ def torch_greedy(prompt: list[int], steps: int) -> list[int]:
     return sequence[len(prompt) :]
 
 
-def decode_models(base: Path, name: str) -> Path:
-    """Tiny model `name`: "decode", "prefill", "decode_fused" or "prefill_fused" (plan TINY_GROUPS, fold)."""
+def decode_models(name: str) -> Path:
+    """Tiny model `name`: "decode", "prefill", "decode_fused" or "prefill_fused" (plan TINY_GROUPS, fold),
+    exported once for every test and worker (tests/artifacts.py)."""
+    if name not in MODELS:
+        raise KeyError(name)
+    return artifact(f"tiny_{name}", _build, name) / f"tiny_{name}.onnx"
+
+
+MODELS = ("decode", "prefill", "decode_fused", "prefill_fused")
+
+
+def _build(folder: Path, name: str) -> None:
     from exporters.decode import export_spec_decode
     from exporters.onnx_export import export_spec_model
     from passes.pipeline import fuse_file
     from passes.plan import Plan
 
-    folder = base / "decode_models"
     path = folder / f"tiny_{name}.onnx"
-    if path.exists():
-        return path
-    folder.mkdir(parents=True, exist_ok=True)
     if name == "decode":
         export_spec_decode(tiny_spec(), path, seed=TINY_SEED)
     elif name == "prefill":
         export_spec_model(tiny_spec(), path, seed=TINY_SEED)
-    elif name in ("decode_fused", "prefill_fused"):
-        source = decode_models(base, name.removesuffix("_fused"))
-        fuse_file(source, Plan(TINY_GROUPS, "fold"), path)  # validated, as fuse_onnx.py does
     else:
-        raise KeyError(name)
-    return path
+        source = decode_models(name.removesuffix("_fused"))
+        fuse_file(source, Plan(TINY_GROUPS, "fold"), path)  # validated, as fuse_onnx.py does

@@ -61,7 +61,7 @@ def tiny_folder(base: Path, name: str = "decode") -> Path:
     if (folder / "config.json").is_file():
         return folder
     folder.mkdir(parents=True, exist_ok=True)
-    shutil.copy(decode_fixtures.decode_models(base, name), folder / "model.onnx")
+    shutil.copy(decode_fixtures.decode_models(name), folder / "model.onnx")
     save_tokenizer(folder, decode_fixtures.tiny_spec().vocab)
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": EOS}))
     (folder / "config.json").write_text(

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from filelock import FileLock
 
 from tests.corpora.third_party import DROPPED, ENTRIES, corpus_dir, entry_path
 
@@ -30,13 +31,19 @@ GROUPS = ((13, 17), (18, 21))
 
 def build() -> Path:
     folder = corpus_dir()
-    if not all(entry_path(folder, name).exists() for name in ENTRIES):
-        command = [sys.executable, "-m", "tests.corpora.third_party", str(folder)]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=3600)
-        if result.returncode != 0:
-            output = f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-            raise RuntimeError(f"building the corpus failed:\n{output}")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{folder}.lock"):  # one pytest-xdist worker builds, the other waits for it
+        if not all(entry_path(folder, name).exists() for name in ENTRIES):
+            _run_build(folder)
     return folder
+
+
+def _run_build(folder: Path) -> None:
+    command = [sys.executable, "-m", "tests.corpora.third_party", str(folder)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=3600)
+    if result.returncode != 0:
+        output = f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+        raise RuntimeError(f"building the corpus failed:\n{output}")
 
 
 @pytest.fixture(scope="session")

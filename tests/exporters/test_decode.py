@@ -20,9 +20,8 @@ TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    base = tmp_path_factory.getbasetemp()
-    return lambda name: fx.decode_models(base, name)
+def models():
+    return fx.decode_models
 
 
 def rel(a: np.ndarray, b: np.ndarray) -> float:

@@ -25,9 +25,8 @@ RESULT_KEYS = {
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    base = tmp_path_factory.getbasetemp()
-    return lambda name: fx.decode_models(base, name)
+def models():
+    return fx.decode_models
 
 
 def run_bench(tool, original, fused, out, check: bool = True, **options):

@@ -21,7 +21,7 @@ CACHE = [f"past_{k}_{layer}" for layer in decode_fixtures.TINY_CACHE_LAYERS for 
 
 @pytest.fixture(scope="module")
 def fused_decode(tmp_path_factory) -> Path:
-    return decode_fixtures.decode_models(tmp_path_factory.getbasetemp(), "decode_fused")
+    return decode_fixtures.decode_models("decode_fused")
 
 
 def _require_trt() -> None:

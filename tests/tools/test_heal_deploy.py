@@ -35,13 +35,12 @@ def greedy_by_rerun(model, prompt: list[int], steps: int) -> list[int]:
 @pytest.fixture(scope="module")
 def healed_folder(tmp_path_factory, tool):
     """(served folder with the healed decode graph as model.onnx, the healed prefill graph, the ids file)."""
-    base = tmp_path_factory.getbasetemp()
     work = tmp_path_factory.mktemp("heal_deploy")
     ids = work / "ids.npy"
     np.save(ids, np.random.default_rng(1).integers(4, fx.tiny_spec().vocab, 2048))
     common = ["--calib", ids, "--heldout", ids, "--window", 64, "--eval-tokens", 0]
     prefill = work / "prefill.healed.onnx"
-    models = {n: fx.decode_models(base, n) for n in ("prefill", "prefill_fused", "decode", "decode_fused")}
+    models = {n: fx.decode_models(n) for n in ("prefill", "prefill_fused", "decode", "decode_fused")}
     tool("heal", models["prefill"], models["prefill_fused"], *common, "-o", prefill, check=True)
     folder = work / "served"
     folder.mkdir()

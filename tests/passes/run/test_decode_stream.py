@@ -60,7 +60,7 @@ def _assert_same(path: Path, vocab: int, monkeypatch, large_ffn_bytes: int | Non
 
 
 def test_tiny_decode_streams_as_the_whole_session(tmp_path_factory, monkeypatch):
-    path = decode_fixtures.decode_models(tmp_path_factory.getbasetemp(), "decode")
+    path = decode_fixtures.decode_models("decode")
     streamer = _assert_same(path, decode_fixtures.tiny_spec().vocab, monkeypatch)
     caches = {c.cut.index: c.pasts + c.presents for c in streamer.cuts if c.pasts}
     assert caches == {
@@ -72,7 +72,7 @@ def test_tiny_decode_streams_as_the_whole_session(tmp_path_factory, monkeypatch)
 
 @pytest.mark.parametrize("large_ffn_bytes", [None, 0])
 def test_fused_decode_streams_with_the_source_layer_caches(tmp_path_factory, monkeypatch, large_ffn_bytes):
-    path = decode_fixtures.decode_models(tmp_path_factory.getbasetemp(), "decode_fused")
+    path = decode_fixtures.decode_models("decode_fused")
     streamer = _assert_same(path, decode_fixtures.tiny_spec().vocab, monkeypatch, large_ffn_bytes)
     # fused groups [0, 2] and [4, 6]: three blocks, the caches keep the source's layer numbers
     assert [c.cut.index for c in streamer.cuts] == [0, 1, 2]
@@ -102,7 +102,7 @@ def swapped_outputs(source: Path, target: Path, a: str, b: str) -> Path:
 
 
 def test_a_cache_another_block_writes_is_named(tmp_path_factory, tmp_path):
-    path = decode_fixtures.decode_models(tmp_path_factory.getbasetemp(), "decode")
+    path = decode_fixtures.decode_models("decode")
     bad = swapped_outputs(path, tmp_path / "swapped.onnx", "present_key_0", "present_key_4")
     streamer = DecodeStreamer(bad)
     errors = streamer.wiring_errors()

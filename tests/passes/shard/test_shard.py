@@ -284,14 +284,14 @@ def decode_models(tmp_path_factory: pytest.TempPathFactory):
 
     def get(name: str) -> Path:
         if name != "decode_fused_fp8":
-            return decode_fixtures.decode_models(base, name)
+            return decode_fixtures.decode_models(name)
         from passes.io.model_io import load_model, save_model
         from passes.quant.calibrate import calibrate
         from passes.quant.fp8 import quantize_fp8
 
         path = base / "tp_models" / "tiny_decode_fused_fp8.onnx"
         if not path.exists():
-            source = decode_fixtures.decode_models(base, "decode_fused")
+            source = decode_fixtures.decode_models("decode_fused")
             ids = tokens(9, seed=6, vocab=96)
             feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), **_empty_cache(source, 2)}
             model = load_model(source)

@@ -22,7 +22,7 @@ from tests.serve_fixtures import PROMPTS
 def test_rows_joining_and_leaving_the_batch_decode_as_alone(tmp_path_factory, runner_class):
     """Sequences of different lengths join at different steps (two at once: one batched prefill) and leave
     early; every row's greedy tokens equal its own batch-1 generation."""
-    model = DecodeModel.open(fx.decode_models(tmp_path_factory.getbasetemp(), "decode"))
+    model = DecodeModel.open(fx.decode_models("decode"))
     alone = {k: greedy_generate(model, [p], 12).tokens[0] for k, p in enumerate(PROMPTS[:5])}
     runner, got, nxt = runner_class(model), {}, {}
     schedule = {0: [0, 1], 3: [2], 5: [3, 4]}  # step -> sequences joining then (PROMPTS differ in length)

@@ -178,8 +178,7 @@ def _decode_with_a_poisoned_row(runner, vocab: int) -> dict[int, list[int]]:
 def test_every_runner_fails_only_the_row_that_breaks_a_decode_step(tmp_path_factory, kind):
     """Row isolation in a decode step for each runner of runtime/serve/batch.py, on a real ONNX Runtime
     backend; also the two calls TP ranks make (isolate=False, then decode_alone)."""
-    base = tmp_path_factory.getbasetemp()
-    model = DecodeModel.open(fx.decode_models(base, "prefill" if kind == "recompute" else "decode"))
+    model = DecodeModel.open(fx.decode_models("prefill" if kind == "recompute" else "decode"))
     runner = {"cached": CachedRunner, "grouped": GroupedRunner, "recompute": RecomputeRunner}[kind](model)
     got = _decode_with_a_poisoned_row(runner, model.backend.vocab)
     expected = fx.torch_greedy(PROMPTS[1], 9)

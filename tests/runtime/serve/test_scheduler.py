@@ -139,7 +139,7 @@ def test_bounded_load_loses_nothing(server):
 def test_requests_that_arrive_together_are_prefilled_together(tmp_path_factory):
     """The scheduler admits the waiting requests of one step together and prefills them in one batch
     (left-padded: the prompts differ in length); each request still gets what it gets alone."""
-    model = DecodeModel.open(fx.decode_models(tmp_path_factory.getbasetemp(), "decode"))
+    model = DecodeModel.open(fx.decode_models("decode"))
     prompts = PROMPTS[:4]
     alone = [greedy_generate(model, [p], 6).tokens[0] for p in prompts]
     metrics = Metrics()

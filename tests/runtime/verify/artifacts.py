@@ -39,8 +39,7 @@ def tiny_artifacts(tmp_path_factory) -> dict[str, Path]:
 
 
 def _build_tiny(tmp_path_factory) -> dict[str, Path]:
-    base = tmp_path_factory.getbasetemp()
-    models = {n: decode_fixtures.decode_models(base, n) for n in ("prefill", "prefill_fused", "decode")}
+    models = {n: decode_fixtures.decode_models(n) for n in ("prefill", "prefill_fused", "decode")}
     folder = tmp_path_factory.mktemp("verify_tiny")
     fused = models["prefill_fused"]
     ids = np.random.default_rng(3).integers(0, decode_fixtures.tiny_spec().vocab, (2, 32), dtype=np.int64)

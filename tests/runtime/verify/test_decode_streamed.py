@@ -52,7 +52,7 @@ def _whole_and_streamed(source, decode, monkeypatch, check=verify_artifact):
 
 def test_tiny_and_fused_decode_streamed_as_whole(tiny, tmp_path_factory, monkeypatch):
     _whole_and_streamed(tiny["prefill"], tiny["decode"], monkeypatch)
-    fused = decode_fixtures.decode_models(tmp_path_factory.getbasetemp(), "decode_fused")
+    fused = decode_fixtures.decode_models("decode_fused")
     report = _whole_and_streamed(tiny["fused"], fused, monkeypatch, decode_check)
     assert "layers [0, 4]" in report.notes[0]
 

@@ -1,0 +1,63 @@
+"""Expensive test artifacts (a real-model export, a tiny model's graphs) built once and shared.
+
+`artifact(name, build, *inputs)` returns the folder that `build(folder, *inputs)` filled, built once per key:
+
+- by one pytest-xdist worker while the others wait on a file lock, then read the same files;
+- once across runs: the folder lives under $FFN_FUSION_CACHE (default ~/.cache/ffn-fusion/artifacts),
+  named by a hash of `name`, `inputs`, the build function's source, the project's source in passes/ and
+  exporters/ (what writes graphs) and the versions of the packages that export them. An edit there builds
+  anew; a clean clone with an empty cache builds everything once per run.
+
+A half-built artifact never counts: `build` writes into a staging folder that is renamed into place.
+Treat the files as read-only: a test that changes one writes its copy under tmp_path.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.metadata
+import inspect
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+from filelock import FileLock
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = ("passes", "exporters")  # the code that writes the artifacts' graphs
+PACKAGES = ("torch", "transformers", "onnx", "onnxscript", "onnx-ir", "onnxruntime")
+
+
+def cache_root() -> Path:
+    env = os.environ.get("FFN_FUSION_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "ffn-fusion" / "artifacts"
+
+
+@functools.cache
+def source_hash() -> str:
+    digest = hashlib.sha256()
+    for package in PACKAGES:
+        digest.update(f"{package}=={importlib.metadata.version(package)}\n".encode())
+    for folder in SOURCES:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            digest.update(str(path.relative_to(ROOT)).encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def artifact(name: str, build: Callable[..., object], *inputs: object) -> Path:
+    """The folder `build` wrote for (name, inputs), built now only if no run has built it yet."""
+    digest = hashlib.sha256(f"{name}\n{inputs!r}\n{source_hash()}\n".encode())
+    digest.update(inspect.getsource(build).encode())
+    folder = cache_root() / f"{name}-{digest.hexdigest()[:16]}"
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{folder}.lock"):
+        if not folder.is_dir():
+            staging = folder.with_name(folder.name + ".partial")
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir()
+            build(staging, *inputs)
+            staging.rename(folder)
+    return folder
