@@ -32,22 +32,10 @@ def tool():
     return run_tool
 
 
-def _export_smollm2(folder: Path) -> None:
-    from exporters.onnx_export import export_smollm2
-
-    export_smollm2(folder / "smollm2.onnx", drop_attention=())
-
-
 def _export_smollm2_pruned(folder: Path) -> None:
     from exporters.onnx_export import export_smollm2
 
     export_smollm2(folder / "smollm2_pruned.onnx", drop_attention=range(13, 23))
-
-
-@pytest.fixture(scope="session")
-def smollm2_onnx() -> Path:
-    """SmolLM2-135M-Instruct unchanged (torch.onnx dynamo), exported once (tests/artifacts.py)."""
-    return artifact("smollm2", _export_smollm2) / "smollm2.onnx"
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,6 @@
 """Exports shared by tests/exporters (session-scoped: each is written once per test session).
 
-`smollm2_onnx` and `smollm2_pruned_onnx` (attention removed from blocks 13-22) live in tests/conftest.py.
+`smollm2_pruned_onnx` (SmolLM2 with attention removed from blocks 13-22) lives in tests/conftest.py.
 """
 
 from __future__ import annotations
