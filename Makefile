@@ -18,15 +18,18 @@ $(STAMP): pyproject.toml setup.py passes/io/_half_scale.c
 	touch $(STAMP)
 
 # Two pytest-xdist workers for CI's 2 cores; a file's tests stay on one worker, so a module's fixtures are
-# built once, and the expensive session artifacts are built once for both (tests/artifacts.py).
+# built once, and the expensive session artifacts are built once for both (tests/artifacts.py). Tests that
+# assert a latency (marker `serial`) run afterwards, alone.
 PYTEST := $(PY) -m pytest -q -n 2 --dist loadfile
 
 test: setup
-	$(PYTEST)
+	$(PYTEST) -m "not serial"
+	$(PY) -m pytest -q -m serial
 
-# The edit loop (within 5 minutes on 2 cores): everything not marked slow; no real model, no corpus.
+# The edit loop (within 5 minutes on 2 cores): no real model, no corpus, nothing marked slow.
 test-fast: setup
-	$(PYTEST) -m "not slow"
+	$(PYTEST) -m "not slow and not serial"
+	$(PY) -m pytest -q -m "serial and not slow"
 
 # Optimum needs transformers < 4.58 (DESIGN 5): its own venv, for the third-party export corpus (tests/corpora/fixtures.py).
 OPTIMUM_STAMP := .venv-optimum/.installed

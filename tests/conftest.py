@@ -1,4 +1,10 @@
-"""Fixtures shared by the whole suite."""
+"""Fixtures shared by the whole suite, and its tiers.
+
+Tiers (README "Tests"): a test that reads a real model (the SmolLM2 exports, the third-party corpus) is
+`slow` whether marked or not, so `make test-fast` (-m "not slow") never builds one. Tests that assert a
+latency are `serial`: `make test` runs them after the parallel run, alone on the machine. Under
+pytest-xdist, files holding slow tests are handed out first, so the long ones do not end the run alone.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +20,15 @@ from tests.artifacts import artifact
 from tests.corpora.fixtures import corpus_hf, third_party_corpus  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
+REAL_MODEL_FIXTURES = {"smollm2_pruned_onnx", "smollm2_decode_onnx", "third_party_corpus", "corpus_hf"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)  # stable: the order inside a file is kept
 
 
 def run_tool(

@@ -3,7 +3,7 @@
 Each is the hand-written exporters/llama.py model with another attention body, exported by torch.onnx
 (dynamo at opset 18 or 23, or TorchScript at opset 17), or the TorchScript export run through ONNX
 Runtime's transformers optimizer. Heads are SmolLM2's (9 query heads, 3 KV heads) at head_dim 8, so no
-tp in {2, 4, 8} divides them. Built once per session under the pytest base temp (`forms_model`).
+tp in {2, 4, 8} divides them. Built once and cached (`forms_model`, tests/artifacts.py).
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+
+from tests.artifacts import artifact
 
 # blocks: attention + FFN, attention-free FFN, attention + FFN (widths 40, 36, 44: 8 divides none)
 FORM_BLOCKS = ((True, 40), (False, 36), (True, 44))
@@ -120,7 +122,7 @@ def export_form(name: str, path: Path) -> Path:
         from onnxruntime.transformers.optimizer import optimize_model
 
         spec = forms_spec()
-        source = forms_model(path.parent.parent, "dynamo_where")
+        source = forms_model("dynamo_where")
         optimized = optimize_model(
             str(source), model_type="gpt2", num_heads=spec.heads, hidden_size=spec.hidden, opt_level=0
         )
@@ -146,13 +148,13 @@ def _torchscript_export(model, path: Path, opset: int) -> None:
         )
 
 
-def forms_model(base: Path, name: str) -> Path:
-    """The graph `name` of FORMS, exported once under `base`."""
-    path = base / "shard_forms" / f"{name}.onnx"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        export_form(name, path)
-    return path
+def forms_model(name: str) -> Path:
+    """The graph `name` of FORMS, exported once (tests/artifacts.py)."""
+    return artifact(f"form_{name}", _export_into, name) / f"{name}.onnx"
+
+
+def _export_into(folder: Path, name: str) -> None:
+    export_form(name, folder / f"{name}.onnx")
 
 
 def torch_logits(attention: str, ids: np.ndarray) -> np.ndarray:

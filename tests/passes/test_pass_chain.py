@@ -22,8 +22,8 @@ from tests.passes.shard.test_shard import TpModels, build_models, single_device,
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> TpModels:
-    return build_models(tmp_path_factory.getbasetemp())
+def models() -> TpModels:
+    return build_models()
 
 
 @pytest.fixture(scope="module")

@@ -88,7 +88,7 @@ def test_bench_tp2_gloo_counts_collectives(models, tool, tmp_path):
 def test_bench_parallel_blocks_side_by_side(tool, tmp_path, tmp_path_factory):
     """--parallel: original, FFN-fused and FFN-fused + one parallel group of 3 blocks in one TP 2 run (gloo):
     10, 9 and 5 all-reduces per token, each counted in its rank graphs too, ratios to the original."""
-    paths = parallel_models(tmp_path_factory.getbasetemp())
+    paths = parallel_models()
     out = tmp_path / "bench"
     run_bench(tool, paths["decode"], paths["decode_fused"], out, parallel=paths["decode_plan"], tp=2, batch=1,
               prompt_len=4, gen_len=3, reps=1, warmup=0)

@@ -34,9 +34,8 @@ TOLERANCE = 1e-5
 
 
 @pytest.fixture(scope="session")
-def form(tmp_path_factory: pytest.TempPathFactory):
-    base = tmp_path_factory.getbasetemp()
-    return lambda name: shard_forms.forms_model(base, name)
+def form():
+    return shard_forms.forms_model
 
 
 def tokens(seq: int = 7, batch: int = 2, seed: int = 0) -> np.ndarray:

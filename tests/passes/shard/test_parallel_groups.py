@@ -25,6 +25,7 @@ from passes.plan import parse_plan
 from passes.shard import ShardRank, count_allreduces, shard_file
 from passes.shard.collectives import collective_op, collectives
 from runtime.tp.ort import run_simulated
+from tests.artifacts import artifact
 from tests.corpora.fixtures import third_party_corpus  # noqa: F401
 from tests.passes.shard.test_corpus import IDS as CORPUS_IDS
 from tests.passes.shard.test_corpus import _torchrun
@@ -36,28 +37,29 @@ TOLERANCE = 1e-5
 ALLREDUCES = {"original": 10, "fused": 9, "parallel": 5}
 
 
-def parallel_models(base: Path) -> dict[str, Path]:
+def parallel_models() -> dict[str, Path]:
     """The tiny prefill and decode graphs, both with PLAN applied, and the decode graph with PLAN's FFN group
-    only, built once per session (this file, tests/runtime/tp/test_parallel_groups.py and
-    tests/tools/test_bench.py call it with the session's base temp)."""
-    folder = base / "parallel_tp"
-    names = ("prefill", "decode", "prefill_plan", "decode_plan", "decode_fused")
-    paths = {name: folder / f"{name}.onnx" for name in names}
-    if (folder / "done").exists():
-        return paths
-    folder.mkdir(exist_ok=True)
+    only, built once (tests/artifacts.py; this file, tests/runtime/tp/test_parallel_groups.py and
+    tests/tools/test_bench.py read them)."""
+    folder = artifact("parallel_tp", _build_parallel_models)
+    return {name: folder / f"{name}.onnx" for name in PARALLEL_MODELS}
+
+
+PARALLEL_MODELS = ("prefill", "decode", "prefill_plan", "decode_plan", "decode_fused")
+
+
+def _build_parallel_models(folder: Path) -> None:
+    paths = {name: folder / f"{name}.onnx" for name in PARALLEL_MODELS}
     export_spec_model(spec(), paths["prefill"], seed=SEED)
     export_spec_decode(spec(), paths["decode"], seed=SEED)
     for graph in ("prefill", "decode"):
         fuse_file(paths[graph], parse_plan(PLAN), paths[f"{graph}_plan"])
     fuse_file(paths["decode"], parse_plan({"groups": PLAN["groups"]}), paths["decode_fused"])
-    (folder / "done").write_text("ok")
-    return paths
 
 
 @pytest.fixture(scope="session")
-def parallel_tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return parallel_models(tmp_path_factory.getbasetemp())
+def parallel_tiny() -> dict[str, Path]:
+    return parallel_models()
 
 
 def test_counts_two_allreduces_per_group(parallel_tiny) -> None:

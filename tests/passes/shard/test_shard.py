@@ -33,6 +33,7 @@ from passes.shard import (
 from runtime.bench.sharders import TOLERANCE, small_models
 from runtime.tp.ort import run_simulated
 from tests import decode_fixtures
+from tests.artifacts import artifact
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -49,17 +50,17 @@ class TpModels:
     hf: Path  # transformers LlamaForCausalLM (own attention/mask pattern), 8/2 heads, FFN 100, biases
 
 
-def build_models(base: Path) -> TpModels:
-    """Export the test models once per session (several test files call this with the session's base temp):
+def build_models() -> TpModels:
+    """The test models, exported once (tests/artifacts.py; several test files read them):
     runtime.bench.sharders's small models (the FP8 one calibrated on tokens(16, seed=5)), and hf."""
-    folder = base / "tp_models"
-    small = small_models(folder, tokens(16, seed=5))
-    models = TpModels(small["m49"], small["m49-fused"], small["m49-fp8"], small["gqa"], folder / "hf.onnx")
-    if (folder / "done").exists():
-        return models
-    export_hf_llama(models.hf)
-    (folder / "done").write_text("ok")
-    return models
+    folder = artifact("tp_models", _export_models)
+    small = small_models(folder, tokens(16, seed=5))  # finds them written
+    return TpModels(small["m49"], small["m49-fused"], small["m49-fp8"], small["gqa"], folder / "hf.onnx")
+
+
+def _export_models(folder: Path) -> None:
+    small_models(folder, tokens(16, seed=5))
+    export_hf_llama(folder / "hf.onnx")
 
 
 def export_hf_llama(path: Path) -> None:
@@ -98,8 +99,8 @@ def single_device(model: Path, ids: np.ndarray) -> np.ndarray:
 
 
 @pytest.fixture(scope="session")
-def models(tmp_path_factory: pytest.TempPathFactory) -> TpModels:
-    return build_models(tmp_path_factory.getbasetemp())
+def models() -> TpModels:
+    return build_models()
 
 
 def _initializer(model: ir.Model, name: str) -> np.ndarray:

@@ -21,8 +21,8 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="session")
-def models(tmp_path_factory: pytest.TempPathFactory) -> TpModels:
-    return build_models(tmp_path_factory.getbasetemp())
+def models() -> TpModels:
+    return build_models()
 
 
 def _torchrun(
@@ -130,13 +130,12 @@ def test_smollm2_heads_tp2_tp4_over_gloo(smollm2_heads: tuple[Path, Path], tmp_p
 
 
 @pytest.mark.slow
-def test_attention_forms_over_gloo(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_attention_forms_over_gloo(tmp_path: Path) -> None:
     """Every third-party attention form (tests/shard_forms.py, 9 heads / 3 KV heads) at tp=4 in one
     torchrun launch: Where masks, packed qkv, opset-23 Attention, TorchScript, ORT's Skip norms."""
     from tests import shard_forms
 
-    base = tmp_path_factory.getbasetemp()
-    sources = [shard_forms.forms_model(base, name) for name in shard_forms.FORMS]
+    sources = [shard_forms.forms_model(name) for name in shard_forms.FORMS]
     ids = np.random.default_rng(3).integers(0, shard_forms.VOCAB, (2, 7)).astype(np.int64)
     np.save(tmp_path / "ids.npy", ids)
     dirs = [tmp_path / m.stem for m in sources]

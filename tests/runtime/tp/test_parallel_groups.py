@@ -26,8 +26,8 @@ from tests.runtime.tp.test_decode_puzzle import generate
 
 
 @pytest.fixture(scope="session")
-def parallel_tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return parallel_models(tmp_path_factory.getbasetemp())
+def parallel_tiny() -> dict[str, Path]:
+    return parallel_models()
 
 
 def _rank(rank: int, world: int, port: int, prefill: str, decode: str, out: str) -> None:
