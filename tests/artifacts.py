@@ -61,3 +61,22 @@ def artifact(name: str, build: Callable[..., object], *inputs: object) -> Path:
             build(staging, *inputs)
             staging.rename(folder)
     return folder
+
+
+def spec_export(spec: object, path: Path, seed: int = 0, *, decode: bool = False) -> Path:
+    """exporters' torch.onnx export of the tiny `spec` with `seed` (the prefill graph, or the decode graph),
+    exported once and copied to `path`: the copy is the test's own to change. Tiny graphs hold their
+    weights inline, so the copy is one file."""
+    folder = artifact("decode" if decode else "prefill", _export_spec, spec, seed, decode)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(folder / "model.onnx", path)
+    return path
+
+
+def _export_spec(folder: Path, spec: object, seed: int, decode: bool) -> None:
+    from exporters.decode import export_spec_decode
+    from exporters.onnx_export import export_spec_model
+
+    (export_spec_decode if decode else export_spec_model)(spec, folder / "model.onnx", seed=seed)
+    if [p.name for p in folder.iterdir()] != ["model.onnx"]:
+        raise RuntimeError(f"{spec} exported with external data: too large for spec_export")

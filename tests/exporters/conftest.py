@@ -30,8 +30,8 @@ def mixed_seed() -> int:
 @pytest.fixture(scope="session")
 def mixed_spec_onnx(mixed_spec, tmp_path_factory) -> Path:
     """`mixed_spec` with seed MIXED_SEED, exported once."""
-    from exporters.onnx_export import export_spec_model
+    from tests.artifacts import spec_export
 
     path = tmp_path_factory.mktemp("mixed") / "mixed.onnx"
-    export_spec_model(mixed_spec, path, seed=MIXED_SEED)
+    spec_export(mixed_spec, path, seed=MIXED_SEED)
     return path

@@ -11,9 +11,7 @@ import onnx
 import pytest
 import torch
 
-from exporters.decode import export_spec_decode
 from exporters.llama import build_model
-from exporters.onnx_export import export_spec_model
 from exporters.spec import BlockSpec, ModelSpec
 from passes.block_table import format_block_table
 from passes.errors import UserError
@@ -27,6 +25,7 @@ from passes.run.block_runner import BlockRunner
 from passes.shard import count_allreduces
 from passes.validate import plan_from_metadata
 from runtime.generate import DecodeModel, greedy_generate
+from tests.artifacts import spec_export
 from tests.runtime.heal.test_graphs import fix_dims
 from tests.torch_reference import parallel_blocks_model, parallel_model
 
@@ -47,8 +46,8 @@ def spec() -> ModelSpec:
 def tiny(tmp_path_factory):
     folder = tmp_path_factory.mktemp("parallel")
     prefill, decode = folder / "prefill.onnx", folder / "decode.onnx"
-    export_spec_model(spec(), prefill, seed=SEED)
-    export_spec_decode(spec(), decode, seed=SEED)
+    spec_export(spec(), prefill, seed=SEED)
+    spec_export(spec(), decode, seed=SEED, decode=True)
     return prefill, decode
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from exporters.onnx_export import export_spec_model
 from exporters.spec import BlockSpec, ModelSpec
+from tests.artifacts import spec_export
 
 FAST = ["--screen-tokens", "48", "--window", "12", "--eval-tokens", "96", "--block-group", "2", "--quiet"]
 KEYS = {"plan", "predicted_speedup", "kl", "ppl", "top1", "on_frontier"}
@@ -23,7 +23,7 @@ def model(tmp_path_factory) -> Path:
     spec = ModelSpec(hidden=32, heads=4, kv_heads=2, vocab=96, tie_embeddings=False,
                      blocks=[*blocks, BlockSpec(True, 48)])
     path = tmp_path_factory.mktemp("frontier") / "m.onnx"
-    export_spec_model(spec, path, seed=5)
+    spec_export(spec, path, seed=5)
     return path
 
 
@@ -100,7 +100,7 @@ def test_nothing_to_fuse_is_refused(tool, tmp_path):
     full = [BlockSpec(True, 48)] * 3
     spec = ModelSpec(hidden=32, heads=4, kv_heads=2, vocab=96, tie_embeddings=False, blocks=full)
     path = tmp_path / "m.onnx"
-    export_spec_model(spec, path, seed=1)
+    spec_export(spec, path, seed=1)
     out = tmp_path / "o"
     run = tool("analyze", path, "--frontier", "--out", out, *FAST[:-3], "--block-group", "4", "--quiet")
     assert run.returncode == 2 and "nothing to fuse" in run.stderr, run.stderr

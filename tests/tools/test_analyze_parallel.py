@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from exporters.onnx_export import export_spec_model
 from exporters.spec import BlockSpec, ModelSpec
 from exporters.synthetic import SyntheticSpec, build_synthetic
+from tests.artifacts import spec_export
 
 FAST = ["--num-tokens", "24", "--window", "12", "--eval-tokens", "96", "--quiet"]
 
@@ -22,7 +22,7 @@ def unpruned(tmp_path_factory) -> Path:
     blocks = [BlockSpec(True, 48) for _ in range(9)]
     spec = ModelSpec(hidden=32, heads=4, kv_heads=2, vocab=96, tie_embeddings=False, blocks=blocks)
     path = tmp_path_factory.mktemp("unpruned") / "m.onnx"
-    export_spec_model(spec, path, seed=3)
+    spec_export(spec, path, seed=3)
     return path
 
 

@@ -6,7 +6,6 @@ import json
 
 import numpy as np
 
-from exporters.onnx_export import export_spec_model
 from exporters.spec import BlockSpec, ModelSpec
 from exporters.tensorrt import build as te
 from passes.io.model_io import load_model, save_model
@@ -14,6 +13,7 @@ from passes.pipeline import fuse_file
 from passes.plan import Plan
 from passes.quant.calibrate import calibrate
 from passes.quant.fp8 import quantize_fp8
+from tests.artifacts import spec_export
 
 
 def test_fused_fp8_model_builds_an_engine(tmp_path):
@@ -25,7 +25,7 @@ def test_fused_fp8_model_builds_an_engine(tmp_path):
         BlockSpec(True, 64),
     ]
     spec = ModelSpec(hidden=64, heads=4, kv_heads=2, vocab=256, blocks=blocks)
-    model = export_spec_model(spec, tmp_path / "model.onnx").path
+    model = spec_export(spec, tmp_path / "model.onnx")
     fused = fuse_file(model, Plan(((0, 2),), "fold"), tmp_path / "fused.onnx").output
     tokens = np.random.default_rng(0).integers(0, 256, size=(2, 1, 16))
     scales = calibrate(fused, list(tokens), progress=False)

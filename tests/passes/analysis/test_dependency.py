@@ -139,8 +139,8 @@ def test_cosine_distance_zero_vectors():
 def exported(tmp_path_factory):
     torch = pytest.importorskip("torch")
     from exporters.llama import build_model
-    from exporters.onnx_export import export_spec_model
     from exporters.spec import BlockSpec, ModelSpec
+    from tests.artifacts import spec_export
 
     spec = ModelSpec(
         hidden=32,
@@ -150,7 +150,7 @@ def exported(tmp_path_factory):
         blocks=[BlockSpec(True, 48), BlockSpec(False, 40), BlockSpec(False, 56), BlockSpec(True, 32)],
     )
     path = tmp_path_factory.mktemp("exported") / "spec.onnx"
-    export_spec_model(spec, path, seed=5)
+    spec_export(spec, path, seed=5)
     return path, build_model(spec, seed=5), torch
 
 

@@ -15,8 +15,6 @@ import onnx
 import onnx_ir as ir
 import pytest
 
-from exporters.decode import export_spec_decode
-from exporters.onnx_export import export_spec_model
 from passes.error_measures import max_abs_relative_error
 from passes.io.model_io import load_model
 from passes.model_map import build_model_map
@@ -25,7 +23,7 @@ from passes.plan import parse_plan
 from passes.shard import ShardRank, count_allreduces, shard_file
 from passes.shard.collectives import collective_op, collectives
 from runtime.tp.ort import run_simulated
-from tests.artifacts import artifact
+from tests.artifacts import artifact, spec_export
 from tests.corpora.fixtures import third_party_corpus  # noqa: F401
 from tests.passes.shard.test_corpus import IDS as CORPUS_IDS
 from tests.passes.shard.test_corpus import _torchrun
@@ -50,8 +48,8 @@ PARALLEL_MODELS = ("prefill", "decode", "prefill_plan", "decode_plan", "decode_f
 
 def _build_parallel_models(folder: Path) -> None:
     paths = {name: folder / f"{name}.onnx" for name in PARALLEL_MODELS}
-    export_spec_model(spec(), paths["prefill"], seed=SEED)
-    export_spec_decode(spec(), paths["decode"], seed=SEED)
+    spec_export(spec(), paths["prefill"], seed=SEED)
+    spec_export(spec(), paths["decode"], seed=SEED, decode=True)
     for graph in ("prefill", "decode"):
         fuse_file(paths[graph], parse_plan(PLAN), paths[f"{graph}_plan"])
     fuse_file(paths["decode"], parse_plan({"groups": PLAN["groups"]}), paths["decode_fused"])

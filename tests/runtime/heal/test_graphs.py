@@ -12,7 +12,6 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 
-from exporters.decode import export_spec_decode
 from passes.graph_inputs import Signature
 from passes.io.model_io import load_model, save_model
 from passes.pipeline import fuse_file
@@ -21,6 +20,7 @@ from runtime.generate import DecodeModel, greedy_generate
 from runtime.heal.metadata import HEAL_METADATA_KEY, HealConfig
 from runtime.heal.report import run_heal
 from tests import decode_fixtures
+from tests.artifacts import spec_export
 
 SMALL = HealConfig(steps=4, lr=1e-3, batch_tokens=256)
 PROMPT = [17, 41, 8, 60, 22, 9, 33]
@@ -119,7 +119,7 @@ def test_weights_from_mismatch_is_one_line(tiny_models, healed, tmp_path, tool):
     other_plan = fuse_file(
         tiny_models("decode"), Plan(((0, 1), (4, 6)), "fold"), tmp_path / "plan.onnx", validate_output=False
     ).output
-    other = export_spec_decode(decode_fixtures.tiny_spec(), tmp_path / "other.onnx", seed=7).path
+    other = spec_export(decode_fixtures.tiny_spec(), tmp_path / "other.onnx", seed=7, decode=True)
     other_fused = fuse_file(
         other, Plan(decode_fixtures.TINY_GROUPS, "fold"), tmp_path / "other.fused.onnx", validate_output=False
     ).output

@@ -47,12 +47,11 @@ def rel(a: np.ndarray, b: np.ndarray) -> float:
 def healed(tmp_path_factory):
     """(folder, report): the tiny model (prefill and decode graphs) fused with PLAN, the prefill graph healed
     with the defaults (the closed-form refit) on 2048 random tokens."""
-    from exporters.decode import export_spec_decode
-    from exporters.onnx_export import export_spec_model
+    from tests.artifacts import spec_export
 
     folder = tmp_path_factory.mktemp("heal_parallel")
-    export_spec_model(spec(), folder / "prefill.onnx", seed=SEED)
-    export_spec_decode(spec(), folder / "decode.onnx", seed=SEED)
+    spec_export(spec(), folder / "prefill.onnx", seed=SEED)
+    spec_export(spec(), folder / "decode.onnx", seed=SEED, decode=True)
     for name in ("prefill", "decode"):
         fuse_file(folder / f"{name}.onnx", parse_plan(PLAN), folder / f"{name}.fused.onnx")
     rng = np.random.default_rng(1)
@@ -135,10 +134,10 @@ def test_parallel_only_plan_heals_and_wrong_original_is_refused(healed, tool, tm
     (group,) = heal(folder / "prefill.onnx", fused.output, calib, held, None).groups
     assert group.group == (1, 3) and group.kind == "parallel"
     assert group.heldout_after < group.heldout_before, group.line()
-    from exporters.onnx_export import export_spec_model
+    from tests.artifacts import spec_export
 
     other = tmp_path / "other.onnx"
-    export_spec_model(spec(), other, seed=SEED + 1)
+    spec_export(spec(), other, seed=SEED + 1)
     cases = {
         "wrong original": (
             [other, fused.output, "--calib", folder / "calib.npy"],
@@ -151,13 +150,13 @@ def test_parallel_only_plan_heals_and_wrong_original_is_refused(healed, tool, tm
 def test_parallel_group_after_an_ffn_group_heals(tmp_path):
     """The fused graph numbers a parallel group after an FFN group in its own blocks ([0, 1] fused -> the
     parallel [2, 4] is the fused graph's [1, 3]); healing finds it there."""
-    from exporters.onnx_export import export_spec_model
+    from tests.artifacts import spec_export
 
     attention, widths = [True, False, True, True, True], [64, 48, 80, 56, 72]
     blocks = [BlockSpec(a, w) for a, w in zip(attention, widths, strict=True)]
     model = tmp_path / "m.onnx"
     mixed = ModelSpec(hidden=32, heads=4, kv_heads=2, vocab=96, tie_embeddings=False, blocks=blocks)
-    export_spec_model(mixed, model, seed=SEED)
+    spec_export(mixed, model, seed=SEED)
     plan = parse_plan({"groups": [[0, 1]], "parallel_blocks": [[2, 4]]})
     fused = fuse_file(model, plan, tmp_path / "f.onnx")
     ids = windows(np.random.default_rng(3).integers(0, 96, 1024), 32)
