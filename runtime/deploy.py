@@ -68,8 +68,8 @@ def build_engines(request: EngineRequest, log: Callable[[str], None] = step) -> 
         trt_shim.require_gpu_runtime()  # fail before the long steps
     trt = trt_shim.load()
     log(f"TensorRT {trt.version} ({trt.flavor})")
+    models = resolve_models(request.models, request.tp)  # before --out is made: a refusal writes nothing
     request.out.mkdir(parents=True, exist_ok=True)
-    models = resolve_models(request.models, request.tp)
     shard_later = request.tp > 1 and len(models) == 1
     if request.fp8:
         check_fp8_source(trt, models[0], log)  # before the long steps: nothing written on refusal

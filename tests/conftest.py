@@ -8,6 +8,10 @@ pytest-xdist, files holding slow tests are handed out first, so the long ones do
 
 from __future__ import annotations
 
+import contextlib
+import io
+import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -31,15 +35,47 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: item.path not in slow_files)  # stable: the order inside a file is kept
 
 
+# Tools whose run is the library call behind a parser: run inside the test process (no Python start-up and
+# imports, 2-5 s a run), with the same argv, stdout, stderr and exit status. Tools that serve, spawn ranks or
+# install signal handlers always run as processes; tests/tools/test_cli.py runs every tool as one.
+IN_PROCESS_TOOLS = {
+    "analyze", "build_engines", "evaluate", "export_checkpoint", "export_model", "fuse_onnx", "heal",
+    "latency_model", "prune_attention", "shard_tp",
+}  # fmt: skip
+
+
 def run_tool(
-    tool: str, *args: object, check: bool = False, timeout: float = 900
+    tool: str, *args: object, check: bool = False, timeout: float = 900, process: bool = False
 ) -> subprocess.CompletedProcess:
-    """Run tools/<tool>.py as a user would, capturing its output."""
+    """Run tools/<tool>.py as a user would, capturing its output (in this process where the tool allows it,
+    unless `process`)."""
     command = [sys.executable, str(ROOT / "tools" / f"{tool}.py"), *map(str, args)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    if tool in IN_PROCESS_TOOLS and not process:
+        result = _run_in_process(command)
+    else:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     if check and result.returncode != 0:
         raise AssertionError(f"{tool} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
     return result
+
+
+def _run_in_process(command: list[str]) -> subprocess.CompletedProcess:
+    stdout, stderr = io.StringIO(), io.StringIO()
+    argv, environ = sys.argv, dict(os.environ)
+    sys.argv = command[1:]
+    code: int | str | None = 0
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            runpy.run_path(command[1], run_name="__main__")
+    except SystemExit as exit_:  # run_cli always ends in sys.exit
+        code = exit_.code
+    finally:
+        sys.argv = argv
+        os.environ.clear()
+        os.environ.update(environ)
+    if not isinstance(code, int):
+        code = 0 if code is None else 1
+    return subprocess.CompletedProcess(command, code, stdout.getvalue(), stderr.getvalue())
 
 
 @pytest.fixture(scope="session")

@@ -164,6 +164,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if not Path(args.model).is_file():  # before --out is made: a bad path leaves nothing behind
+        raise UserError(f"model {args.model} does not exist")
     if args.frontier:
         target = TargetOptions(
             args.target, args.target_gpu, args.target_tp, args.target_dtype, args.target_batch
