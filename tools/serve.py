@@ -55,6 +55,37 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="larger request bodies get 413 before they are parsed (default 4 MiB)",
     )
     p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=64,
+        help="tokens per scheduler step: each running sequence's next token, then prompt tokens; a longer "
+        "prompt is prefilled in chunks between decode steps (default 64, for CPUs; larger on GPUs)",
+    )
+    p.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=512,
+        help="a chat request's token limit when it sends none, capped by the context (default 512)",
+    )
+    p.add_argument(
+        "--request-read-timeout",
+        type=float,
+        default=10.0,
+        help="seconds for a request's headers, then for its body, else 408 and close (default 10)",
+    )
+    p.add_argument(
+        "--keep-alive-timeout",
+        type=float,
+        default=5.0,
+        help="seconds an idle kept-alive connection stays open (default 5)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=512,
+        help="open connections; a request beyond them is answered 503 (default 512)",
+    )
+    p.add_argument(
         "--drain-timeout",
         type=float,
         default=20.0,
@@ -72,9 +103,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    for flag in ("max_batch", "max_queue", "port", "rank_timeout", "rank_heartbeat", "max_request_bytes"):
+    at_least_one = ("max_batch", "max_queue", "port", "rank_timeout", "rank_heartbeat", "max_request_bytes")
+    for flag in (*at_least_one, "default_max_tokens", "max_connections", "prefill_chunk"):
         if getattr(args, flag) < 1:
             raise UserError(f"--{flag.replace('_', '-')} must be at least 1")
+    for flag in ("request_read_timeout", "keep_alive_timeout"):
+        if not 0 < getattr(args, flag) < float("inf"):  # NaN fails too
+            raise UserError(f"--{flag.replace('_', '-')} must be a positive number of seconds")
     if not args.drain_timeout >= 0:
         raise UserError("--drain-timeout must be at least 0")
     from runtime.serve.server import serve  # the web stack loads after the arguments are checked
@@ -97,6 +132,11 @@ def main(argv: list[str] | None = None) -> int:
         max_request_bytes=args.max_request_bytes,
         drain_timeout_s=args.drain_timeout,
         on_fatal=args.on_fatal,
+        default_max_tokens=args.default_max_tokens,
+        request_read_timeout=args.request_read_timeout,
+        keep_alive_s=args.keep_alive_timeout,
+        max_connections=args.max_connections,
+        prefill_chunk=args.prefill_chunk,
     )
 
 

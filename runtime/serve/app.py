@@ -2,11 +2,11 @@
 
 Routes: GET /health, GET /metrics (Prometheus), GET /v1/models[/{id}], POST /v1/completions,
 POST /v1/chat/completions. Errors are OpenAI error JSON with 400 (bad parameters, malformed JSON), 404
-(unknown model or route), 405 (with Allow), 413 (a body above `max_request_bytes`, refused before it is
-parsed), 503 (the waiting queue is full or the server is draining: Retry-After: 1; the model is not being
-served any more: no Retry-After) or 500 (a fault of this request's generation, named). The OpenAPI document
-(/openapi.json) states all of them, the event-stream content type, and the app's own limits (token ids
-below the vocabulary).
+(unknown model or route), 405 (with Allow), 408 (a body that did not arrive within `request_read_timeout`),
+413 (a body above `max_request_bytes`, refused before it is parsed), 503 (the waiting queue is full or the
+server is draining: Retry-After: 1; the model is not being served any more: no Retry-After) or 500 (a fault
+of this request's generation, named). The OpenAPI document (/openapi.json) states all of them, the
+event-stream content type, and every bound (runtime/serve/openapi.py).
 
 The event loop only moves bytes: tokenization and detokenization run in worker threads, the model on the
 scheduler's thread, so /health answers at once whatever the requests hold.
@@ -33,6 +33,7 @@ from fastapi.responses import JSONResponse, Response
 from sse_starlette.sse import AppStatus, EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from runtime.serve.connections import RequestGuard
 from runtime.serve.loading import ServedModel
 from runtime.serve.logprobs import TokenLogprob, TokenTexts
 from runtime.serve.metrics import Metrics
@@ -41,11 +42,13 @@ from runtime.serve.openapi import (
     METRICS_RESPONSES,
     MODEL_RESPONSES,
     MODELS_RESPONSES,
-    BodyLimit,
+    Limits,
     generation_responses,
     openapi_document,
 )
 from runtime.serve.protocol import (
+    COMPLETION_MAX_TOKENS,
+    ROLES,
     ApiError,
     ChatRequest,
     CompletionRequest,
@@ -55,10 +58,16 @@ from runtime.serve.protocol import (
 )
 from runtime.serve.responses import Choice, Reply, Update
 from runtime.serve.sampling import Sampler
-from runtime.serve.scheduler import Event, GenerationRequest, QueueFull, Scheduler
+from runtime.serve.scheduler import PREFILL_CHUNK, Event, GenerationRequest, QueueFull, Scheduler
 
 DISCONNECT_POLL_S = 0.25
+# chat's default (--default-max-tokens): without one, a request ran to the end of the context (8192 tokens,
+# minutes on a CPU); vLLM's default is that, OpenAI's is bounded by each model's output limit
+DEFAULT_MAX_TOKENS = 512
 MAX_REQUEST_BYTES = 4 * 1024 * 1024  # well above what lm-eval's batched requests send
+REQUEST_READ_TIMEOUT_S = (
+    10.0  # headers, then the body (runtime/serve/connections.py); 4 MiB in 10 s: 420 kB/s
+)
 ON_FATAL = ("exit", "serve")
 FATAL_EXIT_CODE = 1
 SHUTTING_DOWN = "the server is shutting down"
@@ -79,9 +88,18 @@ def create_app(
     *,
     max_request_bytes: int = MAX_REQUEST_BYTES,
     on_fatal: str = "exit",
+    default_max_tokens: int = DEFAULT_MAX_TOKENS,
+    request_read_timeout: float | None = REQUEST_READ_TIMEOUT_S,
+    prefill_chunk: int = PREFILL_CHUNK,
 ) -> FastAPI:
+    """`default_max_tokens`: a chat request's token limit when it sends none (capped by the context).
+    `request_read_timeout`: seconds a request's body may take to arrive after its headers (408; the
+    server's protocol bounds the headers the same way: runtime/serve/server.py). `prefill_chunk`: the
+    scheduler's tokens per step (chunked prefill; an engine's profile may allow fewer per call)."""
     if on_fatal not in ON_FATAL:
         raise ValueError(f"on_fatal must be one of {ON_FATAL}, not {on_fatal!r}")
+    if default_max_tokens < 1:
+        raise ValueError(f"default_max_tokens must be at least 1, not {default_max_tokens}")
     # streams end by drain/abort (runtime/serve/server.py), not cut by sse-starlette on the first signal
     getattr(AppStatus, "disable_automatic_graceful_drain", lambda: None)()
     metrics = Metrics()
@@ -92,7 +110,10 @@ def create_app(
         if on_fatal == "exit" and exit_hook is not None:
             exit_hook(FATAL_EXIT_CODE, f"the model is not being served: {reason}")
 
-    scheduler = Scheduler(served.runner(), max_batch, max_queue, metrics, on_fatal=fatal)
+    prefill_chunk = min(prefill_chunk, served.max_prompt or prefill_chunk)
+    scheduler = Scheduler(
+        served.runner(), max_batch, max_queue, metrics, on_fatal=fatal, prefill_chunk=prefill_chunk
+    )
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -104,11 +125,12 @@ def create_app(
     app = FastAPI(title="ffn-fusion serve", lifespan=lifespan)
     app.state.served, app.state.scheduler, app.state.metrics = served, scheduler, metrics
     app.state.draining = False
+    app.state.request_read_timeout = request_read_timeout
     app.state.exit = None  # (code, reason) -> None: set by the server that runs the app
     app.state.fatal = fatal  # the server's drain reports a problem the scheduler has not acted on yet
-    api = _Api(served, scheduler, metrics, app)
+    api = _Api(served, scheduler, metrics, app, default_max_tokens)
     _error_handlers(app, metrics)
-    app.add_middleware(BodyLimit, limit=max_request_bytes)
+    app.add_middleware(RequestGuard, limit=max_request_bytes, read_timeout=request_read_timeout)
 
     @app.get("/health", responses=HEALTH_RESPONSES)
     async def health() -> Response:
@@ -138,7 +160,16 @@ def create_app(
         prompts = await asyncio.to_thread(api.chat_prompts, body)
         return await api.respond("chat", body, prompts, request)
 
-    app.openapi = lambda: openapi_document(app, served.vocab, served.id, max_queue)  # type: ignore[method-assign]
+    limits = Limits(
+        served.id,
+        served.vocab,
+        max_queue,
+        served.max_context,
+        served.max_prompt,
+        api.max_chars,
+        default_max_tokens,
+    )
+    app.openapi = lambda: openapi_document(app, limits)  # type: ignore[method-assign]
     return app
 
 
@@ -180,7 +211,13 @@ def _error_handlers(app: FastAPI, metrics: Metrics) -> None:
             message = str(cause)
         else:  # a union reports every alternative: the deepest error is the most specific one
             first = max(errors, key=lambda e: len(e.get("loc", ())), default={})
-            path = [p for p in first.get("loc", ()) if p != "body" and not _union_tag(p)]
+            loc = [p for p in first.get("loc", ()) if p != "body"]
+            # a message's role names the alternative of its union (messages[0].user.content)
+            path = [
+                p
+                for i, p in enumerate(loc)
+                if not _union_tag(p) and not (i and p in ROLES and isinstance(loc[i - 1], int))
+            ]
             where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".")
             param = str(path[0]) if path else None
             message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
@@ -188,7 +225,7 @@ def _error_handlers(app: FastAPI, metrics: Metrics) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = "body_too_large" if exc.status_code == 413 else str(exc.status_code)
+        code = {408: "request_timeout", 413: "body_too_large"}.get(exc.status_code, str(exc.status_code))
         return answer(request, ApiError(exc.status_code, str(exc.detail), code=code), exc.headers)
 
     @app.exception_handler(Exception)
@@ -218,8 +255,16 @@ def _endpoint(request: Request) -> str:
 
 
 class _Api:
-    def __init__(self, served: ServedModel, scheduler: Scheduler, metrics: Metrics, app: FastAPI) -> None:
+    def __init__(
+        self,
+        served: ServedModel,
+        scheduler: Scheduler,
+        metrics: Metrics,
+        app: FastAPI,
+        default_max_tokens: int = DEFAULT_MAX_TOKENS,
+    ) -> None:
         self.served, self.scheduler, self.metrics, self.app = served, scheduler, metrics, app
+        self.default_max_tokens = default_max_tokens
         self.tokenizer = served.tokenizer
         self.texts = TokenTexts(served.tokenizer)
         # a text longer than this cannot fit the context whatever it holds: refused before tokenizing it
@@ -274,7 +319,7 @@ class _Api:
         self.check_model(body.model)
         if not getattr(self.tokenizer, "chat_template", None):
             raise ApiError(400, "this model's tokenizer has no chat template: use /v1/completions")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        messages = [m.for_template() for m in body.messages]
         self._check_chars(sum(len(m["content"]) for m in messages), "messages")
         try:
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
@@ -313,8 +358,11 @@ class _Api:
         self._check_ids(body.stop_token_ids, "stop_token_ids")
         wanted = body.token_limit
         longest = max(len(p.ids) for p in prompts)
-        if wanted is None:
-            wanted = 16 if isinstance(body, CompletionRequest) else context - longest
+        if wanted is None:  # as vLLM: the default, capped by what the context leaves (at least a token)
+            default = (
+                COMPLETION_MAX_TOKENS if isinstance(body, CompletionRequest) else self.default_max_tokens
+            )
+            wanted = max(1, min(default, context - longest))
         if body.min_tokens > wanted:
             raise ApiError(
                 400, f"min_tokens ({body.min_tokens}) exceeds max_tokens ({wanted})", param="min_tokens"
@@ -414,7 +462,9 @@ class _Api:
         results = await self._collect(reply.choices, updates, request)
         self.metrics.requests.labels(endpoint, "200").inc()
         self.metrics.request_latency.observe(time.perf_counter() - arrived)
-        return JSONResponse(reply.whole(results))
+        # a 2000-token echo with logprobs is ~12k token texts and ~300 kB of JSON: built off the event loop,
+        # which meanwhile sends the other requests' stream events (it stalled them for ~1 s)
+        return await asyncio.to_thread(lambda: JSONResponse(reply.whole(results)))
 
     async def _updates(
         self, choices: list[Choice], queue: asyncio.Queue

@@ -12,11 +12,17 @@ with a different length, or leaves and the common left padding is trimmed). Padd
 the decode graph gives them zero attention weight and computes positions as cumsum(mask) - 1, so a row's
 logits do not depend on its neighbours (up to float summation order; greedy equality is tested).
 
-Prefill: the sequences admitted in one scheduler iteration are prefilled together (`prefill_many`),
-left-padded from an empty cache like a decode batch; their caches then join the running batch. A prefill
-graph gives logits at every prompt position: for the sequences named in `scored` (echo with logprobs), the
-prefill also returns their prompt tokens' logprobs (runtime.serve.logprobs.score_prompt), computed where
-the logits are (in rank 0's process for a TP folder), so only the entries travel.
+Prefill, in chunks (`prefill`): each call takes the next tokens of some prompts (`Chunk`), as many as the
+scheduler's token budget for that step allows (runtime/serve/scheduler.py). Whole prompts that start and end
+in the call are prefilled together, left-padded from an empty cache like a decode batch; a prompt cut into
+chunks keeps its own cache between calls (CachedRunner: mask and cache of one row, grown by each chunk, its
+positions counted from the mask), outside the decode batch. A sequence whose prompt is done joins the
+decode batch at its first decode step (one that ends at its prompt, a scoring request, never pads the
+running rows to its length). A chunk's logits are the unchunked prefill's up to float summation order
+(tested). A call that raises has changed nothing. A prefill graph gives logits at every prompt position:
+a chunk that asks (`positions`, prompt scoring for echo) gets its positions' float32 logits back, and the
+scheduler's scorer thread turns them into logprobs (runtime.serve.logprobs.score_chunk), off the model's
+thread.
 
 Row isolation, in every runner: a decode step that fails is retried one row at a time (`decode_alone`);
 the rows that fail alone leave the runner and the call raises `RowsFailed`, the others go on with their
@@ -43,26 +49,42 @@ from typing import Any, Protocol
 import numpy as np
 
 from runtime.generate import DecodeModel, left_pad
-from runtime.serve.logprobs import TokenLogprob, score_prompt
 
 BATCH_AXIS, SEQ_AXIS = 0, 2  # of cache tensors [batch, kv_heads, past_len, head_dim]
 
 
-Scored = Mapping[Hashable, int]  # key -> how many most likely tokens each prompt logprobs entry lists
+@dataclass(frozen=True)
+class Chunk:
+    """The next tokens of one sequence's prompt, for a prefill call."""
+
+    tokens: Sequence[int]
+    last: bool = True  # the prompt ends here: the sequence then joins the decode batch
+    positions: bool = False  # return the logits of every position of the chunk (prompt scoring)
 
 
 @dataclass(frozen=True)
 class Prefilled:
-    """What a prefill gives one sequence: the next token's logits, and its prompt's logprobs when asked."""
+    """What a prefill call gives one sequence: after its prompt's last chunk the next token's logits, and
+    the chunk's positions' logits when the chunk asked for them."""
 
-    logits: np.ndarray  # [vocab], the last prompt position's
-    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.. (scored sequences only)
+    logits: np.ndarray | None  # [vocab], the last prompt position's (None before the last chunk)
+    positions: np.ndarray | None = None  # [len(chunk.tokens), vocab] float32
 
 
-def _prefilled(logits: np.ndarray, prompt: Sequence[int], top: int | None) -> Prefilled:
-    """From one row's logits [width, vocab] of a (left-padded) prefill of `prompt`."""
-    scores = None if top is None else score_prompt(logits[logits.shape[0] - len(prompt) :], prompt, top)
-    return Prefilled(logits[-1], scores)
+def _prefilled(logits: np.ndarray, chunk: Chunk) -> Prefilled:
+    """From one row's logits [width, vocab] of a (left-padded) prefill call holding `chunk`."""
+    rows = logits[logits.shape[0] - len(chunk.tokens) :]
+    positions = np.array(rows, dtype=np.float32) if chunk.positions else None
+    return Prefilled(np.array(rows[-1]) if chunk.last else None, positions)
+
+
+def _whole(prompts: Mapping[Hashable, Sequence[int]]) -> dict[Hashable, Chunk]:
+    return {key: Chunk(prompt) for key, prompt in prompts.items()}
+
+
+def _check_whole(chunks: Mapping[Hashable, Chunk], running: Mapping[Hashable, Any]) -> None:
+    if any(not c.last or k in running for k, c in chunks.items()):
+        raise ValueError("this runner prefills whole prompts only (chunked is False)")
 
 
 def _why(exc: Exception) -> str:
@@ -109,11 +131,14 @@ class RowsFailed(Exception):
 
 
 class Runner(Protocol):
-    """What the scheduler drives: prefill new sequences, then decode all running ones a step at a time."""
+    """What the scheduler drives: prefill new sequences (in chunks where `chunked`), then decode all running
+    ones a step at a time. `prefill_many(prompts)` is `prefill` of whole prompts."""
 
-    def prefill_many(
-        self, prompts: dict[Hashable, Sequence[int]], scored: Scored | None = None
-    ) -> dict[Hashable, Prefilled]: ...
+    chunked: bool  # False: every chunk must be a whole prompt (last, and the sequence's first)
+
+    def prefill(self, chunks: dict[Hashable, Chunk]) -> dict[Hashable, Prefilled]: ...
+
+    def prefill_many(self, prompts: dict[Hashable, Sequence[int]]) -> dict[Hashable, Prefilled]: ...
 
     def decode(  # key -> [vocab]; isolate: a failed step is retried row by row (RowsFailed)
         self, tokens: dict[Hashable, int], isolate: bool = True
@@ -132,6 +157,15 @@ def runner_for(model: DecodeModel, left_padding: bool = True) -> Runner:
     return CachedRunner(model) if left_padding else GroupedRunner(model)
 
 
+def _trimmed(mask: np.ndarray, cache: dict[str, np.ndarray]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Without the left columns that are padding in every row."""
+    real = mask.any(axis=0)
+    start = int(real.argmax()) if real.any() else mask.shape[1]
+    if not start:
+        return mask, cache
+    return mask[:, start:], {n: np.ascontiguousarray(a[:, :, start:]) for n, a in cache.items()}
+
+
 def _pad_left(array: np.ndarray, width: int, axis: int) -> np.ndarray:
     if width == 0:
         return array
@@ -143,25 +177,58 @@ def _pad_left(array: np.ndarray, width: int, axis: int) -> np.ndarray:
 class CachedRunner:
     """Running sequences of a decode graph with a KV cache, as one left-padded batch (module docstring)."""
 
+    chunked = True
+
     def __init__(self, model: DecodeModel) -> None:
         self.model = model
         self.keys: list[Hashable] = []
         self.mask = np.zeros((0, 0), dtype=np.int64)
         self.cache: dict[str, np.ndarray] = model.empty_cache(0)
+        self.partial: dict[Hashable, tuple[np.ndarray, dict[str, np.ndarray]]] = {}  # prompts cut in chunks
+        # prefilled rows (mask, cache) that join the batch at their first decode step: a request that ends at
+        # its prompt (scoring, max_tokens 1) never pads the running rows to its length and back
+        self.pending: list[tuple[list[Hashable], np.ndarray, dict[str, np.ndarray]]] = []
 
     def __len__(self) -> int:
-        return len(self.keys)
+        return len(self.keys) + len(self.partial) + sum(len(keys) for keys, _, _ in self.pending)
 
-    def prefill_many(
-        self, prompts: dict[Hashable, Sequence[int]], scored: Scored | None = None
-    ) -> dict[Hashable, Prefilled]:
-        """The new sequences as one left-padded batch from an empty cache; their rows join the batch."""
-        keys, scored = list(prompts), scored or {}
-        ids, mask = left_pad([prompts[k] for k in keys])
-        logits, cache = self.model.forward(ids, mask, self.model.empty_cache(len(keys)))
-        out = {k: _prefilled(logits[row], prompts[k], scored.get(k)) for row, k in enumerate(keys)}
-        self._join(keys, mask, cache)
+    def prefill_many(self, prompts: dict[Hashable, Sequence[int]]) -> dict[Hashable, Prefilled]:
+        return self.prefill(_whole(prompts))
+
+    def prefill(self, chunks: dict[Hashable, Chunk]) -> dict[Hashable, Prefilled]:
+        """Whole prompts as one left-padded batch from an empty cache; each other chunk on its prompt's own
+        cache (one row). Committed when every forward is done: sequences whose prompt ended join the batch at
+        their first decode step."""
+        whole = [k for k, c in chunks.items() if c.last and k not in self.partial]
+        out: dict[Hashable, Prefilled] = {}
+        joining: list[tuple[list[Hashable], np.ndarray, dict[str, np.ndarray]]] = []
+        partial: dict[Hashable, tuple[np.ndarray, dict[str, np.ndarray]]] = {}
+        if whole:
+            ids, mask = left_pad([chunks[k].tokens for k in whole])
+            logits, cache = self.model.forward(ids, mask, self.model.empty_cache(len(whole)))
+            out.update((k, _prefilled(logits[row], chunks[k])) for row, k in enumerate(whole))
+            joining.append((whole, mask, cache))
+        for key in [k for k in chunks if k not in out]:
+            chunk = chunks[key]
+            past_mask, past = self.partial.get(key) or (np.zeros((1, 0), np.int64), self.model.empty_cache(1))
+            ids = np.asarray([chunk.tokens], dtype=np.int64)
+            mask = np.concatenate([past_mask, np.ones_like(ids)], axis=1)
+            logits, cache = self.model.forward(ids, mask, past)
+            out[key] = _prefilled(logits[0], chunk)
+            if chunk.last:
+                joining.append(([key], mask, cache))
+            else:
+                partial[key] = (mask, cache)
+        for key in chunks:
+            self.partial.pop(key, None)
+        self.partial.update(partial)
+        self.pending.extend(joining)
         return out
+
+    def _join_pending(self) -> None:
+        for keys, mask, cache in self.pending:
+            self._join(keys, mask, cache)
+        self.pending = []
 
     def _join(self, keys: list[Hashable], mask: np.ndarray, cache: dict[str, np.ndarray]) -> None:
         width = max(self.mask.shape[1], mask.shape[1])
@@ -173,6 +240,17 @@ class CachedRunner:
         self.keys.extend(keys)
 
     def release(self, key: Hashable) -> None:
+        self.partial.pop(key, None)
+        for i, (keys, mask, cache) in enumerate(self.pending):
+            if key in keys:
+                row = keys.index(key)
+                rest = _trimmed(
+                    np.delete(mask, row, axis=0),
+                    {n: np.delete(a, row, axis=BATCH_AXIS) for n, a in cache.items()},
+                )
+                self.pending[i] = ([k for k in keys if k != key], *rest)
+                self.pending = [group for group in self.pending if group[0]]
+                return
         if key not in self.keys:
             return
         row = self.keys.index(key)
@@ -182,12 +260,7 @@ class CachedRunner:
         self._trim()
 
     def _trim(self) -> None:
-        """Drop the left columns that are padding in every row."""
-        real = self.mask.any(axis=0)
-        start = int(real.argmax()) if real.any() else self.mask.shape[1]
-        if start:
-            self.mask = self.mask[:, start:]
-            self.cache = {n: np.ascontiguousarray(a[:, :, start:]) for n, a in self.cache.items()}
+        self.mask, self.cache = _trimmed(self.mask, self.cache)
 
     def _step(self, tokens: dict[Hashable, int]) -> tuple[np.ndarray, np.ndarray]:
         if set(tokens) != set(self.keys):
@@ -197,6 +270,7 @@ class CachedRunner:
 
     def decode(self, tokens: dict[Hashable, int], isolate: bool = True) -> dict[Hashable, np.ndarray]:
         """One step for every running sequence: `tokens` holds each row's newest token."""
+        self._join_pending()
         ids, mask = self._step(tokens)
         try:
             logits, cache = self.model.forward(ids, mask, self.cache)
@@ -210,6 +284,7 @@ class CachedRunner:
     def decode_alone(self, tokens: dict[Hashable, int]) -> dict[Hashable, np.ndarray]:
         """The step one row at a time (its own left padding kept: the same arithmetic); the rows that fail
         leave the batch (RowsFailed)."""
+        self._join_pending()
         ids, mask = self._step(tokens)
         if not self.keys:
             return {}
@@ -234,35 +309,56 @@ class CachedRunner:
 
 
 class GroupedRunner:
-    """Sequences with their own caches; each step runs one batch per distinct length (no padding)."""
+    """Sequences with their own caches; each step runs one batch per distinct length (no padding). A prompt
+    cut in chunks grows its own cache chunk by chunk (GenAI's GroupQueryAttention takes a multi-token step
+    on a past: checked equal to the whole prompt's logits on the corpus' GenAI export)."""
+
+    chunked = True
 
     def __init__(self, model: DecodeModel) -> None:
         self.model = model
         self.caches: dict[Hashable, dict[str, np.ndarray]] = {}
         self.lengths: dict[Hashable, int] = {}
+        self.partial: dict[Hashable, tuple[dict[str, np.ndarray], int]] = {}  # prompts cut in chunks
 
     def __len__(self) -> int:
-        return len(self.caches)
+        return len(self.caches) + len(self.partial)
 
-    def prefill_many(
-        self, prompts: dict[Hashable, Sequence[int]], scored: Scored | None = None
-    ) -> dict[Hashable, Prefilled]:
-        """One batch per distinct prompt length (no padding)."""
-        scored = scored or {}
+    def prefill_many(self, prompts: dict[Hashable, Sequence[int]]) -> dict[Hashable, Prefilled]:
+        return self.prefill(_whole(prompts))
+
+    def prefill(self, chunks: dict[Hashable, Chunk]) -> dict[Hashable, Prefilled]:
+        """Whole prompts in one batch per distinct length (no padding); each other chunk on its prompt's own
+        cache. Committed when every forward is done."""
         groups: dict[int, list[Hashable]] = {}
-        for key, prompt in prompts.items():
-            groups.setdefault(len(prompt), []).append(key)
-        out = {}
+        for key, chunk in chunks.items():
+            if chunk.last and key not in self.partial:
+                groups.setdefault(len(chunk.tokens), []).append(key)
+        out: dict[Hashable, Prefilled] = {}
+        done: dict[Hashable, tuple[dict[str, np.ndarray], int]] = {}
         for length, keys in groups.items():
-            ids = np.asarray([prompts[k] for k in keys], dtype=np.int64)
+            ids = np.asarray([chunks[k].tokens for k in keys], dtype=np.int64)
             logits, cache = self.model.forward(ids, np.ones_like(ids), self.model.empty_cache(len(keys)))
             for row, key in enumerate(keys):
-                self.caches[key] = {n: a[row : row + 1] for n, a in cache.items()}
-                self.lengths[key] = length
-                out[key] = _prefilled(logits[row], prompts[key], scored.get(key))
+                done[key] = ({n: a[row : row + 1] for n, a in cache.items()}, length)
+                out[key] = _prefilled(logits[row], chunks[key])
+        for key in [k for k in chunks if k not in out]:
+            chunk = chunks[key]
+            past, length = self.partial.get(key) or (self.model.empty_cache(1), 0)
+            ids = np.asarray([chunk.tokens], dtype=np.int64)
+            logits, cache = self.model.forward(ids, np.ones((1, length + ids.shape[1]), np.int64), past)
+            out[key] = _prefilled(logits[0], chunk)
+            done[key] = (cache, length + ids.shape[1])
+        for key, (cache, length) in done.items():
+            self.partial.pop(key, None)
+            if chunks[key].last:
+                self.caches[key], self.lengths[key] = cache, length
+            else:
+                self.partial[key] = (cache, length)
         return out
 
     def release(self, key: Hashable) -> None:
+        self.partial.pop(key, None)
         self.caches.pop(key, None)
         self.lengths.pop(key, None)
 
@@ -303,6 +399,8 @@ class GroupedRunner:
 class RecomputeRunner:
     """Sequences of a graph without a KV cache: each step re-runs every sequence in full."""
 
+    chunked = False
+
     def __init__(self, model: DecodeModel) -> None:
         self.model = model
         self.sequences: dict[Hashable, list[int]] = {}
@@ -310,14 +408,18 @@ class RecomputeRunner:
     def __len__(self) -> int:
         return len(self.sequences)
 
-    def prefill_many(
-        self, prompts: dict[Hashable, Sequence[int]], scored: Scored | None = None
-    ) -> dict[Hashable, Prefilled]:
-        scored = scored or {}
-        for key, prompt in prompts.items():
-            self.sequences[key] = [int(t) for t in prompt]
-        rows = self._run(list(prompts))
-        return {k: _prefilled(rows[k], self.sequences[k], scored.get(k)) for k in prompts}
+    def prefill_many(self, prompts: dict[Hashable, Sequence[int]]) -> dict[Hashable, Prefilled]:
+        return self.prefill(_whole(prompts))
+
+    def prefill(self, chunks: dict[Hashable, Chunk]) -> dict[Hashable, Prefilled]:
+        """Whole prompts only (`chunked` is False: every step re-runs the whole sequence anyway)."""
+        _check_whole(chunks, self.sequences)
+        sequences = {k: [int(t) for t in c.tokens] for k, c in chunks.items()}
+        step, rows = self._stepper(sequences), {}
+        for group in self._groups(sequences):
+            rows.update(step(group))
+        self.sequences.update(sequences)
+        return {k: _prefilled(rows[k], chunks[k]) for k in chunks}
 
     def release(self, key: Hashable) -> None:
         self.sequences.pop(key, None)
@@ -359,10 +461,3 @@ class RecomputeRunner:
             return {k: logits[row] for row, k in enumerate(keys)}
 
         return step
-
-    def _run(self, keys: list[Hashable]) -> dict[Hashable, np.ndarray]:
-        sequences = {k: self.sequences[k] for k in keys}
-        step, out = self._stepper(sequences), {}
-        for group in self._groups(sequences):
-            out.update(step(group))
-        return out

@@ -1,53 +1,16 @@
-"""The server's OpenAPI document (/openapi.json): every status code and content type the routes answer, the
-app's own limits (token ids below the vocabulary, the served model id, n up to the queue), and the request
-body limit (413) enforced before a body is parsed."""
+"""The server's OpenAPI document (/openapi.json): every status code and content type the routes answer, every
+bound as JSON Schema's minimum/maximum, the app's own limits (token ids below the vocabulary, the served
+model id, n and prompt lists up to the queue, token counts below the context). The limits on connections,
+read time and body bytes are runtime/serve/connections.py's."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from runtime.serve.protocol import ApiError
-
-# ------------------------------------------------------------------------------------ body limit
-
-
-class BodyLimit:
-    """413 for a body above `limit` bytes: from Content-Length before anything is read, else (a chunked
-    body) as soon as the bytes received pass it; either way before the body is parsed."""
-
-    def __init__(self, app: ASGIApp, limit: int) -> None:
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        length = dict(scope.get("headers") or []).get(b"content-length", b"")
-        if length.isdigit() and int(length) > self.limit:
-            response = JSONResponse(self.error().body(), status_code=413, headers={"Connection": "close"})
-            await response(scope, receive, send)
-            return
-        seen = 0
-
-        async def limited() -> Message:
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.limit:  # FastAPI re-raises an HTTPException met while reading the body
-                raise StarletteHTTPException(413, self.error().message)
-            return message
-
-        await self.app(scope, limited, send)
-
-    def error(self) -> ApiError:
-        return ApiError(
-            413, f"the request body exceeds {self.limit} bytes (--max-request-bytes)", code="body_too_large"
-        )
-
+from runtime.serve.protocol import COMPLETION_MAX_TOKENS
 
 # ------------------------------------------------------------------------------------ OpenAPI
 
@@ -77,9 +40,11 @@ def _errors(*statuses: int) -> dict:
         400: "a bad parameter, malformed JSON, or a limit the schema cannot state (context length, "
         "min_tokens above max_tokens)",
         404: "an unknown model or route",
+        408: "the body did not arrive within --request-read-timeout (the connection is closed)",
         413: "the body exceeds --max-request-bytes",
         500: "a fault of this request's generation (named in the message)",
-        503: "the queue is full or the server is draining (Retry-After), or the model is not served any more",
+        503: "the queue is full, the server is draining or has --max-connections open (Retry-After), or the "
+        "model is not served any more",
     }
     return {
         s: {"description": reasons[s], "content": {"application/json": {"schema": _error_schema()}}}
@@ -106,7 +71,7 @@ def generation_responses(kind: str) -> dict:
                 "text/event-stream": {"schema": _EVENT},
             },
         },
-        **_errors(400, 404, 413, 500, 503),
+        **_errors(400, 404, 408, 413, 500, 503),
     }
 
 
@@ -133,9 +98,25 @@ MODEL_RESPONSES = {
 }
 
 
-def openapi_document(app: FastAPI, vocab: int | None, model: str, max_queue: int) -> dict:
-    """FastAPI's document, stating what this server answers: no 422 (validation errors are 400), token
-    ids below the vocabulary, and the one model it serves (any other is a 404)."""
+@dataclass(frozen=True)
+class Limits:
+    """The served model's limits that the OpenAPI document states (beside the protocol's own bounds)."""
+
+    model: str  # the one model id served
+    vocab: int | None  # token ids lie below it
+    max_queue: int  # n, and the prompts of one request, up to the queue
+    max_context: int  # max_tokens / min_tokens below it; a token-id prompt up to it
+    max_prompt: int | None = None  # an engine's bound on one prompt's tokens
+    max_chars: int = 0  # a text prompt longer than this cannot fit the context (0: no bound)
+    default_max_tokens: int | None = None  # chat's token limit when a request sends none
+
+
+def openapi_document(app: FastAPI, limits: Limits) -> dict:
+    """FastAPI's document, stating what this server answers: no 422 (validation errors are 400), and every
+    bound as JSON Schema's minimum/maximum (pydantic's own, and the served model's: token ids below the
+    vocabulary, the one model id, n and the prompt lists up to the queue, token counts below the context).
+    What JSON Schema cannot state (a prompt plus max_tokens beyond the context, min_tokens above the
+    max_tokens in effect, prompts x n above the queue) is the documented 400."""
     if app.openapi_schema is not None:
         return app.openapi_schema
     schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
@@ -147,17 +128,50 @@ def openapi_document(app: FastAPI, vocab: int | None, model: str, max_queue: int
                 operation["requestBody"]["required"] = True
             for parameter in operation.get("parameters", []):
                 if parameter.get("name") == "model_id":
-                    parameter["schema"]["enum"] = [model]
+                    parameter["schema"]["enum"] = [limits.model]
     schemas = schema.get("components", {}).get("schemas", {})
     schemas.pop("HTTPValidationError", None)
     schemas.pop("ValidationError", None)
+    tokens = limits.max_context - 1  # a prompt holds at least one token
     for name in ("CompletionRequest", "ChatRequest"):
-        if name in schemas:
-            schemas[name]["properties"]["model"]["enum"] = [model]
-            schemas[name]["properties"]["n"]["maximum"] = max_queue
-    _bound_token_ids(schema, vocab)
+        if name not in schemas:
+            continue
+        fields = schemas[name]["properties"]
+        fields["model"]["enum"] = [limits.model]
+        fields["n"]["maximum"] = limits.max_queue
+        fields["min_tokens"]["maximum"] = tokens
+        for count in ("max_tokens", "max_completion_tokens"):
+            for alternative in fields.get(count, {}).get("anyOf", []):
+                if alternative.get("type") == "integer":
+                    alternative["maximum"] = tokens
+        if "prompt" in fields:
+            for alternative in fields["prompt"]["anyOf"]:
+                _bound_prompt(alternative, limits, outer=True)
+            fields["max_tokens"]["description"] = (
+                f"default {COMPLETION_MAX_TOKENS}, capped by what the context leaves after the prompt"
+            )
+        elif limits.default_max_tokens is not None:
+            fields["max_tokens"]["description"] = fields["max_completion_tokens"]["description"] = (
+                f"default {limits.default_max_tokens} (--default-max-tokens), capped by what the context "
+                "leaves after the prompt"
+            )
+    _bound_token_ids(schema, limits.vocab)
     app.openapi_schema = schema
     return schema
+
+
+def _bound_prompt(node: dict, limits: Limits, outer: bool) -> None:
+    """A prompt alternative: a text up to max_chars, token ids up to the prompt bound, a list of prompts up
+    to the queue (each bounded as one prompt)."""
+    if node.get("type") == "string" and limits.max_chars:
+        node["maxLength"] = limits.max_chars
+    elif node.get("type") == "array":
+        items = node.get("items", {})
+        if items.get("type") == "integer":
+            node["maxItems"] = min(limits.max_context, limits.max_prompt or limits.max_context)
+        elif outer:
+            node["maxItems"] = limits.max_queue
+            _bound_prompt(items, limits, outer=False)
 
 
 def _bound_token_ids(node: object, vocab: int | None) -> None:

@@ -18,6 +18,7 @@ MAX_STOP_TOKEN_IDS = 1024
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_LOGPROBS = 5  # /v1/completions' `logprobs` (as OpenAI and vLLM)
 MAX_TOP_LOGPROBS = 20  # /v1/chat/completions' `top_logprobs`
+COMPLETION_MAX_TOKENS = 16  # /v1/completions' default max_tokens (OpenAI's)
 # Fields the service does not implement: accepted only at these (default) values, else 400 naming them.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "logit_bias": (None, {}),
@@ -88,8 +89,15 @@ def _whole(value: Any) -> Any:
     return value
 
 
-Int = Annotated[int, BeforeValidator(_whole)]  # strict otherwise: no "50", no true
-TokenId = Annotated[Int, Field(ge=0, json_schema_extra={"x-token-id": True})]  # maximum: the app's vocab
+def _int(ge: int | None = None, le: int | None = None, **schema: Any) -> Any:
+    """A strict integer (no "50", no true; 50.0 is 50) with its bounds. The bounds come before the
+    validator: after it (or on an Optional of an annotated int) pydantic writes them as `ge`/`le`, which
+    JSON Schema does not read, and the OpenAPI document would allow what the server refuses."""
+    return Annotated[int, Field(ge=ge, le=le, json_schema_extra=schema or None), BeforeValidator(_whole)]
+
+
+Int = _int()
+TokenId = _int(ge=0, **{"x-token-id": True})  # maximum: the app's vocabulary (openapi.py)
 TextPrompt = Annotated[str, Field(min_length=1)]
 IdsPrompt = Annotated[list[TokenId], Field(min_length=1)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
@@ -109,11 +117,11 @@ class _Generation(BaseModel):
     model_config = _STRICT
 
     model: str
-    max_tokens: Int | None = Field(None, ge=1)
+    max_tokens: _int(ge=1) | None = None
     # below runtime.serve.sampling.MIN_TEMPERATURE the sampler is greedy (as vLLM)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: Int = Field(0, ge=-1)
+    top_k: _int(ge=-1) = 0
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
@@ -124,10 +132,10 @@ class _Generation(BaseModel):
         None, validate_default=True
     )
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
-    min_tokens: Int = Field(0, ge=0)
+    min_tokens: _int(ge=0) = 0
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Int = Field(1, ge=1)
+    n: _int(ge=1) = 1
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever comes (benchmarks)
 
     @model_validator(mode="before")
@@ -168,17 +176,29 @@ Prompt = str | list[int]
 class CompletionRequest(_Generation):
     """`prompt`: a string, a list of strings, a list of token ids or a list of token-id lists (one choice
     per prompt and `n`). `echo` returns the prompt before the completion (with its logprobs when asked);
-    `max_tokens` 0 with echo scores a prompt without generating."""
+    `max_tokens` 0 with echo scores a prompt without generating (the schema states it)."""
 
+    model_config = ConfigDict(
+        extra="ignore",
+        strict=True,
+        json_schema_extra={
+            "allOf": [
+                {
+                    "if": {"properties": {"max_tokens": {"const": 0}}, "required": ["max_tokens"]},
+                    "then": {"properties": {"echo": {"const": True}}, "required": ["echo"]},
+                }
+            ]
+        },
+    )
     prompt: (
         TextPrompt
         | IdsPrompt
         | Annotated[list[TextPrompt], Field(min_length=1)]
         | Annotated[list[IdsPrompt], Field(min_length=1)]
     )
-    max_tokens: Int | None = Field(None, ge=0)
+    max_tokens: _int(ge=0) | None = None
     echo: bool = False
-    logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: _int(ge=0, le=MAX_LOGPROBS) | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -221,16 +241,81 @@ class ContentPart(BaseModel):
     text: str
 
 
-class ChatMessage(BaseModel):
+Content = Annotated[str, Field(min_length=1)] | Annotated[list[ContentPart], Field(min_length=1)]
+
+
+class _Message(BaseModel):
     model_config = _STRICT
 
-    role: Literal[ROLES]  # type: ignore[valid-type]
-    content: str | list[ContentPart] | None = None
+    name: str | None = None
 
     def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
-        return self.content or ""
+        content = getattr(self, "content", None)
+        if isinstance(content, list):
+            return "".join(p.text for p in content)
+        return content or ""
+
+    def for_template(self) -> dict[str, Any]:
+        """What the chat template reads: role and text (never None), and the tool fields when present."""
+        message = self.model_dump(exclude_none=True)
+        message["content"] = self.text()
+        return message
+
+
+class InstructionMessage(_Message):
+    """system, developer and user messages: content required, not empty (as OpenAI validates)."""
+
+    role: Literal["system", "developer", "user"]
+    content: Content
+
+
+class ToolMessage(_Message):
+    role: Literal["tool"]
+    content: Content
+    tool_call_id: str
+
+
+class FunctionCall(BaseModel):
+    model_config = _STRICT
+
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    model_config = _STRICT
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class AssistantMessage(_Message):
+    """An assistant turn of the history: its content may be null (or absent) only with tool calls."""
+
+    model_config = ConfigDict(
+        extra="ignore",
+        strict=True,
+        json_schema_extra={
+            "anyOf": [
+                {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+                {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array"}}},
+            ]
+        },
+    )
+
+    role: Literal["assistant"]
+    content: str | Annotated[list[ContentPart], Field(min_length=1)] | None = None
+    tool_calls: Annotated[list[ToolCall], Field(min_length=1)] | None = None
+
+    @model_validator(mode="after")
+    def _content_or_tool_calls(self) -> AssistantMessage:
+        if self.content is None and self.tool_calls is None:
+            raise FieldError("messages", "an assistant message needs content or tool_calls")
+        return self
+
+
+ChatMessage = Annotated[InstructionMessage | ToolMessage | AssistantMessage, Field(discriminator="role")]
 
 
 class ChatRequest(_Generation):
@@ -259,9 +344,9 @@ class ChatRequest(_Generation):
     )
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Int | None = Field(None, ge=1)
+    max_completion_tokens: _int(ge=1) | None = None
     logprobs: bool = False
-    top_logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: _int(ge=0, le=MAX_TOP_LOGPROBS) | None = None
     echo: bool = False
 
     @model_validator(mode="after")

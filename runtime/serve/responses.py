@@ -2,10 +2,10 @@
 
 A `Choice` turns its scheduler request's events into updates (text piece, logprob entries, finish reason):
 text through protocol.TextStream (stop strings, whole UTF-8 characters; the text of an end-of-sequence or
-stop_token_ids token is left out), an echoed prompt in front of the first update, and the prompt's and the
-tokens' logprob entries when the request asked for them. `Reply` writes those updates as the
-/v1/completions or /v1/chat/completions body (`whole`) or stream chunks (`opening`, `chunk`,
-`usage_chunk`); choices carry `index` in prompt-major order (prompt i, sample j -> i * n + j).
+stop_token_ids token is left out), an echoed prompt in front of the first update, and the prompt's (chunk by
+chunk, before the tokens') and the tokens' logprob entries when the request asked for them. `Reply` writes
+those updates as the /v1/completions or /v1/chat/completions body (`whole`) or stream chunks (`opening`,
+`chunk`, `usage_chunk`); choices carry `index` in prompt-major order (prompt i, sample j -> i * n + j).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from runtime.serve.logprobs import TokenLogprob, TokenTexts, chat_logprobs, completion_logprobs
@@ -37,7 +37,7 @@ class Choice:
     text: TextStream
     echo: str = ""  # returned before the completion (echo); prompt entries come with it
     logprobs: bool = False  # whether entries are reported
-    prompt_entries: list[TokenLogprob] = field(default_factory=list)
+    prompt_scored: bool = False  # a "prompt" event came (the echo's entries go out as they come)
     finish: str | None = None
     tokens: int = 0  # completion tokens (usage)
     offset: int = 0  # characters of the token texts reported so far (text_offset)
@@ -47,8 +47,10 @@ class Choice:
         """The update an event makes (None: nothing to send yet); error events are the caller's."""
         entries: list[TokenLogprob] = []
         piece, reason = "", None
-        if event.kind == "prompt":
-            self.prompt_entries = [TokenLogprob(self.job.prompt[0]), *event.prompt]
+        if event.kind == "prompt":  # one event per prefilled chunk; the first token has no logprob
+            first = [] if self.prompt_scored else [TokenLogprob(self.job.prompt[0])]
+            self.prompt_scored = True
+            entries = [*first, *event.prompt] if self.logprobs else []
         elif event.kind == "token":
             self.tokens += 1
             if event.logprob is not None and self.logprobs:
@@ -61,7 +63,6 @@ class Choice:
         if not self.started:
             self.started = True
             piece = self.echo + piece
-            entries = (self.prompt_entries if self.logprobs else []) + entries
         if reason is not None:
             self.finish = reason
         if not (piece or entries or reason):

@@ -23,11 +23,22 @@ import uvicorn
 from fastapi import FastAPI
 
 from passes.errors import UserError
-from runtime.serve.app import MAX_REQUEST_BYTES, abort, create_app, drain
+from runtime.serve.app import (
+    DEFAULT_MAX_TOKENS,
+    MAX_REQUEST_BYTES,
+    REQUEST_READ_TIMEOUT_S,
+    abort,
+    create_app,
+    drain,
+)
+from runtime.serve.connections import guarded_protocol
 from runtime.serve.loading import ServedModel, load
+from runtime.serve.scheduler import PREFILL_CHUNK
 
 DRAIN_TIMEOUT_S = 20.0  # below Kubernetes' default 30 s grace period
 CLOSE_TIMEOUT_S = 5.0  # uvicorn's wait for connections once the requests have ended
+KEEP_ALIVE_S = 5.0  # an idle kept-alive connection is closed after this (uvicorn's default)
+MAX_CONNECTIONS = 512  # open connections; beyond them a request is answered 503
 
 
 class Server(uvicorn.Server):
@@ -77,11 +88,26 @@ class Server(uvicorn.Server):
         self.should_exit = True
 
 
-def _config(app: FastAPI, **kwargs: object) -> uvicorn.Config:
-    """uvloop and httptools where installed (the serve extra): the event loop's time per request and per
+def _config(
+    app: FastAPI,
+    *,
+    max_connections: int | None = MAX_CONNECTIONS,
+    keep_alive_s: float = KEEP_ALIVE_S,
+    **kwargs: object,
+) -> uvicorn.Config:
+    """uvloop where installed and httptools (the serve extra): the event loop's time per request and per
     streamed event is what /health waits behind (measured: p95 0.07 s against 0.13 s with asyncio and h11,
-    64 streams on 2 loaded cores)."""
-    return uvicorn.Config(app, timeout_graceful_shutdown=CLOSE_TIMEOUT_S, loop="auto", http="auto", **kwargs)
+    64 streams on 2 loaded cores). The protocol adds the header deadline, the connection cap and the
+    lingering close (runtime/serve/connections.py); the app's RequestGuard bounds the body."""
+    protocol = guarded_protocol(app.state.request_read_timeout, max_connections)
+    return uvicorn.Config(
+        app,
+        timeout_graceful_shutdown=CLOSE_TIMEOUT_S,
+        timeout_keep_alive=keep_alive_s,  # type: ignore[arg-type] - a float is a delay like any other
+        loop="auto",
+        http=protocol,
+        **kwargs,
+    )
 
 
 def _check_port(host: str, port: int) -> None:
@@ -106,6 +132,11 @@ def serve(
     max_request_bytes: int = MAX_REQUEST_BYTES,
     drain_timeout_s: float = DRAIN_TIMEOUT_S,
     on_fatal: str = "exit",
+    default_max_tokens: int = DEFAULT_MAX_TOKENS,
+    request_read_timeout: float = REQUEST_READ_TIMEOUT_S,
+    keep_alive_s: float = KEEP_ALIVE_S,
+    max_connections: int = MAX_CONNECTIONS,
+    prefill_chunk: int = PREFILL_CHUNK,
     **load_args,
 ) -> int:
     """Serve until a signal (exit status 0 after the drain) or a fatal fault with on_fatal "exit" (1)."""
@@ -117,13 +148,30 @@ def serve(
         file=sys.stderr,
         flush=True,
     )
-    app = create_app(served, max_batch, max_queue, max_request_bytes=max_request_bytes, on_fatal=on_fatal)
+    app = create_app(
+        served,
+        max_batch,
+        max_queue,
+        max_request_bytes=max_request_bytes,
+        on_fatal=on_fatal,
+        default_max_tokens=default_max_tokens,
+        request_read_timeout=request_read_timeout,
+        prefill_chunk=prefill_chunk,
+    )
     # What loading left (transformers, the tokenizer, the app: ~570k objects) never becomes garbage; a full
     # collection walked it all, holding the GIL for 0.3 s under a burst of requests (every thread, /health
     # too, stopped). Frozen, collections walk only what requests create.
     gc.collect()
     gc.freeze()
-    server = Server(_config(app, host=host, port=port, log_level=log_level), app, drain_timeout_s)
+    config = _config(
+        app,
+        max_connections=max_connections,
+        keep_alive_s=keep_alive_s,
+        host=host,
+        port=port,
+        log_level=log_level,
+    )
+    server = Server(config, app, drain_timeout_s)
     server.run()
     if server.exit_code:
         print(f"error: {server.exit_reason}; exiting (--on-fatal exit)", file=sys.stderr, flush=True)
@@ -141,6 +189,8 @@ class ServerThread:
         port: int = 0,
         *,
         drain_timeout_s: float = DRAIN_TIMEOUT_S,
+        max_connections: int | None = MAX_CONNECTIONS,
+        keep_alive_s: float = KEEP_ALIVE_S,
         **app_args: object,
     ) -> None:
         self.app = create_app(served, max_batch, max_queue, **app_args)  # type: ignore[arg-type]
@@ -148,7 +198,10 @@ class ServerThread:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", port))
         self.port = self.sock.getsockname()[1]
-        self.server = Server(_config(self.app, log_level="warning"), self.app, drain_timeout_s)
+        config = _config(
+            self.app, max_connections=max_connections, keep_alive_s=keep_alive_s, log_level="warning"
+        )
+        self.server = Server(config, self.app, drain_timeout_s)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     @property

@@ -6,9 +6,10 @@ torch.distributed group on 127.0.0.1 (runtime.tp.gloo.init_gloo), opens its rank
 (runtime.backends.TpRankBackend: ONNX Runtime segments, DistCollective all-reduces through
 torch.distributed) and keeps ITS OWN share of the KV caches in the runner batch.py gives its graph.
 
-The server sends every call (prefill_many, decode, release) to all ranks over one pipe each; the ranks run the
+The server sends every call (prefill, decode, release) to all ranks over one pipe each; the ranks run the
 same runner code on the same inputs in lockstep, all-reducing inside the step, so their caches stay
-aligned; rank 0 sends back the logits, the others only "ok". No cache crosses a process boundary.
+aligned; rank 0 sends back the logits (a prompt's chunk's positions' logits when the scheduler scores it:
+at most one chunk's worth per call), the others only "ok". No cache crosses a process boundary.
 
 Failures: a rank that exits, dies, stops beating, or does not answer within `timeout_s` breaks the group:
 every rank process is stopped, the call raises `RanksDown` and `problem` says why; the scheduler treats a
@@ -52,7 +53,7 @@ from passes.shard import rank_onnx_files
 from runtime.backends import TpRankBackend
 from runtime.generate import DecodeModel
 from runtime.ports import free_port
-from runtime.serve.batch import Prefilled, RowsFailed, Scored, runner_for
+from runtime.serve.batch import Chunk, Prefilled, RowsFailed, runner_for
 from runtime.tp.gloo import init_gloo
 
 HEARTBEAT_S = 0.25
@@ -107,7 +108,13 @@ def _rank_main(rank: int, settings: RankSettings, conn: Connection, beats: Any) 
         backend = TpRankBackend(settings.directory, rank, settings.world, settings.threads, device)
         model = DecodeModel(backend)
         runner = runner_for(model, settings.left_padding)
-        conn.send(("ready", {"vocab": backend.vocab, "cached": model.cached, "name": backend.name}))
+        ready = {
+            "vocab": backend.vocab,
+            "cached": model.cached,
+            "name": backend.name,
+            "chunked": runner.chunked,
+        }
+        conn.send(("ready", ready))
     except BaseException as exc:  # noqa: BLE001 - reported to the server, which refuses to start
         conn.send(("error", _describe(exc)))
         return
@@ -197,6 +204,7 @@ class TpRanks:
         info = replies[0][1]
         self.vocab: int | None = info["vocab"]
         self.cached: bool = info["cached"]
+        self.chunked: bool = info["chunked"]
         self.name = f"{info['name']} ({world} processes)"
         threading.Thread(target=self._monitor, name="tp-monitor", daemon=True).start()
 
@@ -222,14 +230,13 @@ class TpRanks:
     def __len__(self) -> int:
         return len(self.keys)
 
-    def prefill_many(
-        self, prompts: dict[Hashable, Sequence[int]], scored: Scored | None = None
-    ) -> dict[Hashable, Prefilled]:
-        """Rank 0 scores the prompts that ask for it (logprobs entries, not logits, cross the pipe)."""
-        prefilled = self._call(
-            "prefill_many", {k: [int(t) for t in p] for k, p in prompts.items()}, dict(scored or {})
-        )
-        self.keys.update(prompts)
+    def prefill_many(self, prompts: dict[Hashable, Sequence[int]]) -> dict[Hashable, Prefilled]:
+        return self.prefill({key: Chunk(prompt) for key, prompt in prompts.items()})
+
+    def prefill(self, chunks: dict[Hashable, Chunk]) -> dict[Hashable, Prefilled]:
+        plain = {k: Chunk([int(t) for t in c.tokens], c.last, c.positions) for k, c in chunks.items()}
+        prefilled = self._call("prefill", plain)
+        self.keys.update(chunks)
         return prefilled
 
     def decode(self, tokens: dict[Hashable, int], isolate: bool = True) -> dict[Hashable, np.ndarray]:

@@ -86,6 +86,29 @@ def test_stop_strings_and_eos(server, tiny):
         assert ignored.usage.completion_tokens == 10
 
 
+def test_a_request_without_a_token_limit_gets_the_default(tiny):
+    """Issue 48: a chat request without max_tokens ran to the end of the context (8192 tokens on SmolLM2,
+    minutes per request); now it stops at --default-max-tokens (capped by what the context leaves), and a
+    completion at OpenAI's 16, capped the same way (was a 400 when fewer than 16 were left)."""
+    with ServerThread(tiny, default_max_tokens=5) as other:
+        api = client(other)
+        messages = [{"role": "user", "content": "w20 w21"}]
+        extra = {"ignore_eos": True}
+        reply = api.chat.completions.create(model="tiny_decode", messages=messages, extra_body=extra)
+        assert (reply.usage.completion_tokens, reply.choices[0].finish_reason) == (5, "length")
+        reply = api.completions.create(model="tiny_decode", prompt="w4", extra_body=extra)
+        assert reply.usage.completion_tokens == 16
+        near_end = [4] * (sf.CONTEXT - 3)
+        reply = api.completions.create(model="tiny_decode", prompt=near_end, extra_body=extra)
+        assert (reply.usage.completion_tokens, reply.choices[0].finish_reason) == (3, "length")
+        full = httpx.post(
+            other.url + "/v1/completions", json={"model": "tiny_decode", "prompt": [4] * sf.CONTEXT}
+        )
+        assert full.status_code == 400 and "context length" in error_of(full)["message"]
+        schema = httpx.get(other.url + "/openapi.json").json()["components"]["schemas"]["ChatRequest"]
+        assert "default 5 (--default-max-tokens)" in schema["properties"]["max_tokens"]["description"]
+
+
 @pytest.mark.parametrize(
     ("body", "status", "fragment"),
     [

@@ -1,16 +1,17 @@
 """Step-level batching of running sequences (runtime/serve/batch.py): rows that join and leave the
-batch decode as they do alone (one left-padded cache, or grouped by length), and a graph without a KV
-cache serves by recomputing."""
+batch decode as they do alone (one left-padded cache, or grouped by length), a prompt prefilled in chunks
+gives the unchunked prefill's logits, and a graph without a KV cache serves by recomputing."""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 
+import numpy as np
 import pytest
 
 from runtime.generate import DecodeModel, greedy_generate
 from runtime.serve import loading
-from runtime.serve.batch import CachedRunner, GroupedRunner, RecomputeRunner, runner_for
+from runtime.serve.batch import CachedRunner, Chunk, GroupedRunner, RecomputeRunner, runner_for
 from runtime.serve.server import ServerThread
 from tests import decode_fixtures as fx
 from tests import serve_fixtures as sf
@@ -62,3 +63,58 @@ def test_graph_without_cache_serves_by_recomputing(tmp_path_factory):
             )
         )
     assert texts == [sf.words(fx.torch_greedy(p, 6)) for p in PROMPTS[:3]]
+
+
+@pytest.mark.parametrize("runner_class", [CachedRunner, GroupedRunner])
+def test_a_prompt_prefilled_in_chunks_equals_the_unchunked_prefill(runner_class):
+    """Issue 48: a 40-token prompt prefilled in chunks of 1, 3, 7 and 16 tokens while two other sequences
+    decode between the chunks: every position's logits (prompt scoring) and the last position's equal the
+    unchunked prefill's within float32 rounding, and the greedy tokens after it are the same."""
+    model = DecodeModel.open(fx.decode_models("decode"))
+    prompt = [4 + (7 * i) % 90 for i in range(40)]
+    whole = runner_class(model).prefill({"p": Chunk(prompt, positions=True)})["p"]
+    alone = greedy_generate(model, [prompt], 6).tokens[0]
+    for size in (1, 3, 7, 16):
+        runner = runner_class(model)
+        others = {
+            k: int(out.logits.argmax())
+            for k, out in runner.prefill_many({0: PROMPTS[0], 1: PROMPTS[3]}).items()
+        }
+        positions, last = [], None
+        for start in range(0, len(prompt), size):
+            end = min(start + size, len(prompt))
+            out = runner.prefill({"p": Chunk(prompt[start:end], last=end == len(prompt), positions=True)})[
+                "p"
+            ]
+            positions.append(out.positions)
+            last = out.logits
+            assert (last is None) == (end < len(prompt)) and len(runner) == 3
+            if last is None:  # the running rows decode between the chunks
+                others = {k: int(v.argmax()) for k, v in runner.decode(others).items()}
+        np.testing.assert_allclose(np.concatenate(positions), whole.positions, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(last, whole.logits, rtol=1e-5, atol=1e-5)
+        tokens = [int(last.argmax())]
+        runner.release(0)
+        runner.release(1)
+        for _ in range(5):
+            tokens.append(int(runner.decode({"p": tokens[-1]})["p"].argmax()))
+        assert tokens == alone, size
+        runner.release("p")
+        assert len(runner) == 0
+
+
+def test_a_sequence_that_ends_at_its_prompt_never_joins_the_decode_batch():
+    """A scoring request (max_tokens 0 or 1) is released right after its prefill: its 100-token row never
+    pads the running rows to its length (which cost a copy of every row's cache, twice)."""
+    model = DecodeModel.open(fx.decode_models("decode"))
+    runner = CachedRunner(model)
+    first = {
+        k: int(out.logits.argmax()) for k, out in runner.prefill_many({0: PROMPTS[0], 1: PROMPTS[1]}).items()
+    }
+    runner.decode(first)
+    width = runner.mask.shape[1]
+    runner.prefill({"score": Chunk([5] * 60, last=False)})
+    runner.prefill({"score": Chunk([6] * 40, positions=True)})
+    assert len(runner) == 3
+    runner.release("score")
+    assert runner.mask.shape[1] == width and len(runner) == 2

@@ -147,6 +147,34 @@ def test_nan_logits_and_a_backend_failing_on_one_row_fail_only_that_request(tiny
         assert not running.app.state.scheduler.running and not running.app.state.scheduler.live
 
 
+def test_a_prompt_that_cannot_be_scored_fails_alone(tiny):
+    """Issue 48: prompt logprobs are scored on the scheduler's scorer thread; NaN logits there end that
+    request with a 500 naming the scoring (before: NaN numbers in the JSON), and the requests beside it, in
+    the same prefill and decode steps, get what they get alone."""
+    nan_token = 93
+    with _faulty_server(tiny, nan_on=nan_token) as running, cf.ThreadPoolExecutor(3) as pool:
+        url = running.url
+        scoring = {"echo": True, "logprobs": 2, "temperature": 0}
+        bad = [
+            pool.submit(post, url, {"prompt": [5, nan_token, 6], "max_tokens": 0, **scoring}),
+            pool.submit(post, url, {"prompt": [7, nan_token], "max_tokens": 3, **scoring}),
+        ]
+        good = pool.submit(post, url, {"prompt": PROMPTS[0], "max_tokens": 6, **scoring})
+        for future in bad:
+            failed = future.result(timeout=60)
+            message = error_of(failed)["message"]
+            assert failed.status_code == 500 and "prompt scoring failed" in message
+            assert "not finite" in message
+        reply = good.result(timeout=60)
+        assert reply.status_code == 200
+        expected = sf.words(PROMPTS[0]) + sf.words(fx.torch_greedy(PROMPTS[0], 6))  # echo, then completion
+        assert reply.json()["choices"][0]["text"] == expected
+        scheduler, deadline = running.app.state.scheduler, time.monotonic() + 30
+        while not scheduler.idle and time.monotonic() < deadline:  # the scorer marks its last job done
+            time.sleep(0.01)
+        assert not scheduler.live and scheduler.idle
+
+
 def _decode_with_a_poisoned_row(runner, vocab: int) -> dict[int, list[int]]:
     """Three greedy rows (0 and 1 of one length: one group of a GroupedRunner); at step 2 row 1's token lies
     outside the vocabulary, so ONNX Runtime's embedding Gather raises for that row only. Row 1 leaves with

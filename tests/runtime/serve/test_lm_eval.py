@@ -115,7 +115,9 @@ def test_lm_eval_through_the_service_matches_its_hf_backend(
     servers, runs = [], {}
     try:
         for name, folder in (("original", original), ("fused", fused)):  # both load at once
-            servers.append(launch_cli(str(folder), "--model-name", name, "--log-level", "warning"))
+            # prompts prefilled (and scored) in chunks of 16 tokens: lm-eval's numbers must not move
+            args = [str(folder), "--model-name", name, "--log-level", "warning", "--prefill-chunk", "16"]
+            servers.append(launch_cli(*args))
         for (process, url, command), name in zip(servers, ("original", "fused"), strict=True):
             wait_healthy(process, url, command)
             runs[name] = lm_eval_served(url, name, corpus_hf, task, tmp_path / name, env)

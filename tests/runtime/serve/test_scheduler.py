@@ -1,22 +1,28 @@
 """Continuous batching (runtime/serve/scheduler.py): requests join and leave the running batch between
 steps, arrive together and are prefilled together, wait in a bounded queue (503 beyond it), and free their
-rows when their client goes away. Through real servers, and the Scheduler alone."""
+rows when their client goes away; a long prompt is prefilled in chunks between the running sequences'
+decode steps, and its logprobs are scored off the model's thread. Through real servers, and the Scheduler
+alone."""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
 import random
+import threading
 import time
 
 import httpx
+import numpy as np
 import pytest
 
+from runtime.evaluate import log_softmax
 from runtime.generate import DecodeModel, greedy_generate
-from runtime.serve.batch import CachedRunner
+from runtime.serve import scheduler as scheduler_module
+from runtime.serve.batch import CachedRunner, Chunk
 from runtime.serve.metrics import Metrics
 from runtime.serve.sampling import Sampler
-from runtime.serve.scheduler import Event, GenerationRequest, Scheduler
+from runtime.serve.scheduler import MAX_UNSCORED, Event, GenerationRequest, Scheduler
 from runtime.serve.server import ServerThread
 from tests import decode_fixtures as fx
 from tests import serve_fixtures as sf
@@ -165,3 +171,122 @@ def test_requests_that_arrive_together_are_prefilled_together(tmp_path_factory):
     rendered = metrics.render().decode()
     assert "ffn_serve_prefill_batch_size_count 1.0" in rendered
     assert "ffn_serve_prefill_batch_size_sum 4.0" in rendered
+
+
+class Recording:
+    """A runner that records its calls in order: ("prefill", {key: chunk tokens}, decode rows) and
+    ("decode", rows)."""
+
+    def __init__(self, inner: CachedRunner) -> None:
+        self.inner, self.calls = inner, []
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def prefill(self, chunks: dict) -> dict:
+        self.calls.append(("prefill", {k: len(c.tokens) for k, c in chunks.items()}, len(self.inner.keys)))
+        return self.inner.prefill(chunks)
+
+    def decode(self, tokens: dict, isolate: bool = True) -> dict:
+        self.calls.append(("decode", len(tokens), len(self.inner.keys)))
+        return self.inner.decode(tokens, isolate)
+
+
+class Client:
+    """A request's events as the scheduler emits them, with a signal for its first token and its end."""
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+        self.first, self.done = threading.Event(), threading.Event()
+
+    def __call__(self, event: Event) -> None:
+        self.events.append(event)
+        if event.kind == "token":
+            self.first.set()
+        if event.kind in ("done", "error"):
+            self.done.set()
+
+    def tokens(self) -> list[int]:
+        return [e.token for e in self.events if e.kind == "token"]
+
+    def prompt(self) -> list:
+        return [entry for e in self.events if e.kind == "prompt" for entry in e.prompt]
+
+
+LONG = [4 + (7 * i) % 90 for i in range(60)]
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps():
+    """Issue 48, finding 1: a 60-token prompt with echo logprobs arrives while a greedy stream runs, with a
+    budget of 8 tokens per step: its prompt goes in chunks of 7 (the running row's decode takes one), each
+    followed by the stream's decode step; the stream's tokens are what it gets alone, and the scoring
+    request's prompt logprobs (chunk by chunk, in order, before its token) equal the unchunked prefill's."""
+    model = DecodeModel.open(fx.decode_models("decode"))
+    runner = Recording(CachedRunner(model))
+    scheduler = Scheduler(runner, max_batch=4, prefill_chunk=8)
+    stream, scoring = Client(), Client()
+    scheduler.start()
+    try:
+        scheduler.submit(GenerationRequest(PROMPTS[0], 40, Sampler(0.0), emit=stream))
+        assert stream.first.wait(30)  # it runs: the long prompt arrives beside a decoding sequence
+        scheduler.submit(GenerationRequest(LONG, 1, Sampler(0.0), emit=scoring, prompt_logprobs=2))
+        assert scoring.done.wait(60) and stream.done.wait(60)
+    finally:
+        scheduler.stop()
+    assert stream.tokens() == greedy_generate(model, [PROMPTS[0]], 40).tokens[0]
+    assert scoring.tokens() == greedy_generate(model, [LONG], 1).tokens[0]
+    kinds = [e.kind for e in scoring.events]
+    assert kinds == ["prompt"] * kinds.count("prompt") + ["token", "done"] and kinds.count("prompt") >= 9
+    long_calls = [i for i, call in enumerate(runner.calls) if call[0] == "prefill" and call[1] != {}]
+    sizes = [runner.calls[i][1][next(iter(runner.calls[i][1]))] for i in long_calls[1:]]
+    assert sum(sizes) == len(LONG) and max(sizes) <= 7 and len(sizes) >= 9
+    for before, after in zip(long_calls[1:], long_calls[2:], strict=False):  # a decode step between chunks
+        assert any(call[0] == "decode" for call in runner.calls[before:after])
+    whole = CachedRunner(model).prefill({"x": Chunk(LONG, positions=True)})["x"].positions
+    reference = log_softmax(whole[:-1])
+    entries = scoring.prompt()
+    assert [e.token for e in entries] == LONG[1:]
+    expected = [reference[t, token] for t, token in enumerate(LONG[1:])]
+    np.testing.assert_allclose([e.logprob for e in entries], expected, rtol=0, atol=1e-5)
+    assert all(e.top[0][0] == int(reference[t].argmax()) for t, e in enumerate(entries))
+
+
+def test_prompt_scoring_runs_off_the_models_thread(monkeypatch):
+    """While the scorer is held up (its first chunk blocks), the running stream keeps decoding and the
+    scoring request prefills only MAX_UNSCORED chunks ahead (their logits wait); once it goes on, the
+    request's prompt events come in order, then its token."""
+    gate, scoring_started = threading.Event(), threading.Event()
+    score_chunk = scheduler_module.score_chunk
+
+    def held(logits, tokens, top):
+        scoring_started.set()
+        assert gate.wait(60)
+        return score_chunk(logits, tokens, top)
+
+    monkeypatch.setattr(scheduler_module, "score_chunk", held)
+    model = DecodeModel.open(fx.decode_models("decode"))
+    runner = Recording(CachedRunner(model))
+    scheduler = Scheduler(runner, max_batch=4, prefill_chunk=8)
+    stream, scoring = Client(), Client()
+    scheduler.start()
+    try:
+        scheduler.submit(GenerationRequest(PROMPTS[0], 60, Sampler(0.0), emit=stream))
+        assert stream.first.wait(30)
+        scheduler.submit(GenerationRequest(LONG, 1, Sampler(0.0), emit=scoring, prompt_logprobs=1))
+        assert scoring_started.wait(30)
+        tokens = len(stream.tokens())
+        deadline = time.monotonic() + 60
+        while len(stream.tokens()) < tokens + 8 and time.monotonic() < deadline:  # decoding goes on
+            time.sleep(0.01)
+        assert len(stream.tokens()) >= tokens + 8 and not scoring.events
+        chunks = [call for call in runner.calls if call[0] == "prefill" and call[2] == 1]
+        assert len(chunks) == MAX_UNSCORED  # then it waits for the scorer
+        gate.set()
+        assert scoring.done.wait(60) and stream.done.wait(60)
+    finally:
+        gate.set()
+        scheduler.stop()
+    kinds = [e.kind for e in scoring.events]
+    assert kinds == ["prompt"] * kinds.count("prompt") + ["token", "done"]
+    assert [e.token for e in scoring.prompt()] == LONG[1:]
+    assert stream.tokens() == greedy_generate(model, [PROMPTS[0]], 60).tokens[0]

@@ -34,6 +34,10 @@ def test_serve_command_line(tmp_path_factory, tmp_path, tp2_folder):
         ([str(tmp_path / "missing")], "does not exist"),
         ([str(folder), "--backend", "tp"], "tp.json"),
         ([str(folder), "--max-batch", "0"], "--max-batch"),
+        ([str(folder), "--default-max-tokens", "0"], "--default-max-tokens"),
+        ([str(folder), "--request-read-timeout", "0"], "--request-read-timeout"),
+        ([str(folder), "--keep-alive-timeout", "nan"], "--keep-alive-timeout"),
+        ([str(folder), "--max-connections", "0"], "--max-connections"),
         # NCCL needs a GPU per rank: without them, one line before any rank process starts
         *([([str(tp2_folder), "--tp-comm", "nccl"], "2 GPUs")] if torch.cuda.device_count() < 2 else []),
     ]:

@@ -26,11 +26,20 @@ from tests.serve_fixtures import PROMPTS
 @pytest.mark.slow
 def test_tp_rank_processes_serve_like_one_device_and_stop_with_the_server(server, tp2_folder):
     """tools/serve.py on a TP 2 folder: two rank processes (gloo all-reduces, each holding its share of the
-    KV caches); greedy text equals the single-device ONNX Runtime server's, alone and among 8 concurrent
-    clients, streamed or not, and so do echoed prompt logprobs; after SIGTERM the server drains, exits 0,
-    and every process it started is gone."""
+    KV caches), prompts prefilled in chunks of at most 4 tokens (--prefill-chunk 4); greedy text equals the
+    single-device ONNX Runtime server's (unchunked), alone and among 8 concurrent clients, streamed or not,
+    and so do echoed prompt logprobs; after SIGTERM the server drains, exits 0, and every process it started
+    is gone."""
     process, url, _ = start_cli(
-        str(tp2_folder), "--backend", "tp", "--model-name", "tiny_decode", "--log-level", "info"
+        str(tp2_folder),
+        "--backend",
+        "tp",
+        "--model-name",
+        "tiny_decode",
+        "--log-level",
+        "info",
+        "--prefill-chunk",
+        "4",
     )
     try:
         started = psutil.Process(process.pid).children(recursive=True)  # the ranks (and their forkserver)
@@ -44,7 +53,7 @@ def test_tp_rank_processes_serve_like_one_device_and_stop_with_the_server(server
         assert alone == one_device
         assert alone[0] == sf.words(fx.torch_greedy(PROMPTS[0], 12))
         assert streamed(tp, PROMPTS[1], 6)[0] == alone[1]
-        # prompt scoring runs in rank 0 (entries, not logits, cross the pipe): the same numbers
+        # prompt scoring: rank 0 sends each chunk's logits, the server's scorer thread scores them
         scored = [complete(api, PROMPTS[:2], 2, echo=True, logprobs=2) for api in (tp, client(server))]
         for tp_choice, one_choice in zip(*(s.choices for s in scored), strict=True):
             tp_lp, one_lp = tp_choice.logprobs, one_choice.logprobs
