@@ -14,6 +14,7 @@ import os
 import runpy
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -50,7 +51,8 @@ def run_tool(
     """Run tools/<tool>.py as a user would, capturing its output (in this process where the tool allows it,
     unless `process`)."""
     command = [sys.executable, str(ROOT / "tools" / f"{tool}.py"), *map(str, args)]
-    if tool in IN_PROCESS_TOOLS and not process:
+    # sys.argv and sys.stdout are the process's: a tool run from a thread (side by side) runs as a process
+    if tool in IN_PROCESS_TOOLS and not process and threading.current_thread() is threading.main_thread():
         result = _run_in_process(command)
     else:
         result = subprocess.run(command, capture_output=True, text=True, timeout=timeout)

@@ -82,6 +82,7 @@ def test_streams_beside_a_long_scoring_request(third_party_corpus):
     assert scored.status_code == 200, scored.text
     assert together == alone
     gaps = [b - a for t in times for a, b in zip(t, t[1:], strict=False) if b >= sent and a <= answered]
+    print(f"worst gap between two tokens {max(gaps):.2f} s; the scoring request took {answered - sent:.1f} s")
     assert gaps and max(gaps) <= WORST_GAP_S, (max(gaps), answered - sent)
     logprobs = scored.json()["choices"][0]["logprobs"]["token_logprobs"]
     assert logprobs[0] is None and len(logprobs) == LONG_TOKENS + 1
