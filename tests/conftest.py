@@ -1,6 +1,6 @@
 """Fixtures shared by the whole suite, and its tiers.
 
-Tiers (README "Tests"): a test that reads a real model (the SmolLM2 exports, the third-party corpus) is
+Tiers (CONTRIBUTING.md): a test that reads a real model (the SmolLM2 exports, the third-party corpus) is
 `slow` whether marked or not, so `make test-fast` (-m "not slow") never builds one. Tests that assert a
 latency are `serial`: `make test` runs them after the parallel run, alone on the machine. Under
 pytest-xdist, files holding slow tests are handed out first, so the long ones do not end the run alone.
