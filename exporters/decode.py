@@ -41,10 +41,11 @@ import onnx_ir as ir
 import torch
 from torch import nn
 
-from exporters.decode_spec import METADATA_KEY, cache_kv_heads, cache_layers, describe, kinds_of
+from exporters.decode_spec import cache_kv_heads, cache_layers, describe, kinds_of
 from exporters.llama import MLP, Backbone, DecoderBlock, RMSNorm, SelfAttention, SpecLlama, build_model
 from exporters.onnx_export import EXTERNAL_DATA_THRESHOLD, dynamo_export, save_export
 from exporters.spec import BlockSpec, ModelSpec
+from passes.metadata import DECODE_METADATA_KEY
 
 # Metadata key of the decode graph description (JSON); fusion keeps model metadata.
 # Tracing example: batch 2, 7 new tokens after 3 cached ones (no dim 0 or 1, so none is specialized).
@@ -319,7 +320,7 @@ def export_decode(
     )
     onnx_model = program.model
     _name_dims(onnx_model)
-    onnx_model.metadata_props[METADATA_KEY] = json.dumps(describe(spec))
+    onnx_model.metadata_props[DECODE_METADATA_KEY] = json.dumps(describe(spec))
     files = save_export(onnx_model, path, external_data_threshold)
     return DecodeExport(
         path=path,
@@ -366,13 +367,7 @@ def export_smollm2_decode(
     path: str | os.PathLike, drop_attention: Iterable[int] = PRUNED_BLOCKS, **kwargs
 ) -> DecodeExport:
     """The decode graph of SmolLM2-135M-Instruct with attention removed from `drop_attention` (13-22)."""
-    from exporters import smollm2  # imports transformers: only for the SmolLM2 export
+    from exporters import smollm2  # noqa: PLC0415 (transformers: seconds to import; only the SmolLM2 export needs it)
 
     model = smollm2.remove_attention(smollm2.load_torch_model(), drop_attention)
     return export_decode(decode_model_from(model), path, **kwargs)
-
-
-def read_metadata(model: ir.Model) -> dict | None:
-    """The decode description written by export_decode, or None for other graphs."""
-    text = model.metadata_props.get(METADATA_KEY)
-    return json.loads(text) if text else None

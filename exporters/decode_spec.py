@@ -18,7 +18,6 @@ from exporters.spec import ModelSpec
 from passes.errors import UserError
 
 # The decode graph's metadata (exporters/decode.py's torch export and exporters/hf/decode_graph.py write it).
-METADATA_KEY = "ffn_fusion.decode"
 FORMAT = "ffn-fusion-decode/2"  # /2: kv_heads lists each cached layer's count
 
 ATTENTION_KINDS = ("gqa", "linear", "none")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from passes.runs import attention_free_runs
+from passes.block_table import attention_free_runs
 
 
 @dataclass

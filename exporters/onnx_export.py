@@ -60,7 +60,7 @@ def _logits_only(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
 
 def _is_hf_model(module: torch.nn.Module) -> bool:
     try:
-        from transformers import PreTrainedModel  # optional here: hand-written models need no transformers
+        from transformers import PreTrainedModel  # noqa: PLC0415 (transformers: seconds to import; optional here, hand-written models need none)
     except ImportError:
         return False
     return isinstance(module, PreTrainedModel)
@@ -94,7 +94,7 @@ def without_slices_split() -> Iterator[None]:
     second Slice to end at the last dim exactly, and torch writes rotate_half's x[..., half:] with end
     INT64_MAX. Without it the optimized graph is byte for byte the same (tests/exporters/test_decode.py).
     """
-    from onnxscript import rewriter  # imported by torch.onnx's optimizer anyway
+    from onnxscript import rewriter  # noqa: PLC0415 (onnxscript: ~0.5 s; torch.onnx's optimizer imports it anyway when it runs)
 
     rules = getattr(rewriter, "_DEFAULT_REWRITE_RULES", None)  # private: if it moves, optimize as before
     if rules is None:
@@ -181,7 +181,7 @@ def export_smollm2(path: str | os.PathLike, drop_attention: Iterable[int] = PRUN
 
     The default, blocks 13-22, is the project's standard pruned variant; pass () for the unchanged model.
     """
-    from exporters import smollm2  # imports transformers: only for the SmolLM2 export
+    from exporters import smollm2  # noqa: PLC0415 (transformers: seconds to import; only the SmolLM2 export needs it)
 
     drop_attention = smollm2.check_blocks(drop_attention)  # before the slow load
     model = smollm2.remove_attention(smollm2.load_torch_model(), drop_attention)

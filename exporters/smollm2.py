@@ -15,7 +15,9 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from transformers import AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+from transformers.utils import logging as hf_logging
 
 from exporters.smollm2_tokenizer import GGUF_FILE, gguf_folder
 from passes.errors import UserError
@@ -28,10 +30,7 @@ PRUNED_BLOCKS: tuple[int, ...] = tuple(range(13, 23))
 @functools.cache
 def _load_cached() -> torch.nn.Module:
     """The model as read from the GGUF, once per process (dequantizing takes seconds); never handed out."""
-    from transformers import AutoModelForCausalLM  # transformers takes seconds: only when SmolLM2 is read
-    from transformers.utils import logging
-
-    logging.disable_progress_bar()  # the GGUF de-quantization bars; the tools print their own progress
+    hf_logging.disable_progress_bar()  # the GGUF de-quantization bars; the tools print their own progress
     model = AutoModelForCausalLM.from_pretrained(gguf_folder(), gguf_file=GGUF_FILE, dtype=torch.float32)
     return model.eval()
 

@@ -45,7 +45,7 @@ def load_tokenizer() -> Any:
     """The SmolLM2 tokenizer of transformers (cached per process). Reading it from the GGUF parses the
     file's 147k metadata fields (about 10 s of CPU); so it is saved once as a tokenizer folder under the
     user's cache and read from there (about 1 s): the same ids, chat template and special tokens."""
-    from transformers import AutoTokenizer  # transformers takes seconds: only when a tokenizer is read
+    from transformers import AutoTokenizer  # noqa: PLC0415 (transformers: seconds to import; only when a tokenizer is read)
 
     folder = _tokenizer_folder()
     if (folder / "tokenizer.json").is_file():
@@ -66,7 +66,7 @@ def load_tokenizer() -> Any:
 def load_encoder() -> Any:
     """The same tokenizer as a bare `tokenizers.Tokenizer` (text -> ids only: `encode(text,
     add_special_tokens=False).ids` gives load_tokenizer's ids), read from the saved tokenizer.json."""
-    from tokenizers import Tokenizer
+    from tokenizers import Tokenizer  # noqa: PLC0415 (tokenizers: 0.2 s; only when text is encoded, this module is stdlib-only)
 
     path = _tokenizer_folder() / "tokenizer.json"
     if not path.is_file():

@@ -1,12 +1,36 @@
-"""Human-readable block tables: every layer's attention and FFN parts, and the attention-free runs."""
+"""Human-readable block tables: every layer's attention and FFN parts, and the attention-free runs where FFN
+fusion groups can go (docs/design.md §2).
+
+No graph library behind it (Block only as a type), so an exporter prints the runs of a checkpoint before
+onnx_ir loads."""
 
 from __future__ import annotations
 
-from passes.blocks import Block
-from passes.runs import attention_free_runs
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from passes.blocks import Block
 
 _ATTENTION_MARKS = {"attention": "A", "linear": "L", "other": "?", "none": "-"}
 _FFN_MARKS = {"swiglu": "F", "linear": "L", "other": "?", "none": "-"}
+
+
+def attention_free_runs(attention: list[bool]) -> list[tuple[int, int]]:
+    """Maximal runs [i, j] (inclusive) of consecutive blocks without attention, from per-block flags."""
+    runs: list[tuple[int, int]] = []
+    for index, has_attention in enumerate(attention):
+        if has_attention:
+            continue
+        if runs and runs[-1][1] == index - 1:
+            runs[-1] = (runs[-1][0], index)
+        else:
+            runs.append((index, index))
+    return runs
+
+
+def format_runs(runs: list[tuple[int, int]]) -> str:
+    """'6-7, 11, 42-51' style text; 'none' when empty."""
+    return ", ".join(f"{i}" if i == j else f"{i}-{j}" for i, j in runs) or "none"
 
 
 def stream_map(blocks: list[Block]) -> str:

@@ -30,7 +30,7 @@ def __getattr__(name: str) -> Any:
     if name != "PassInputError":
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     if _pass_input_error is None:
-        import onnx_ir as ir  # see the docstring: not at the top
+        import onnx_ir as ir  # noqa: PLC0415 (onnx_ir: ~1 s; a tool's --help and early errors must not pay it, see the docstring)
 
         class PassInputError(UserError, ir.passes.PreconditionError):
             """A pass's `requires` refusing its input model: a UserError (exit 2), and a PreconditionError,

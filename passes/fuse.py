@@ -23,7 +23,8 @@ from passes.blocks import Block
 from passes.errors import PassInputError, UserError
 from passes.io.stream_concat import ConcatTensor, Part
 from passes.matching import strip_cast
-from passes.model_map import PLAN_METADATA_KEY, find_blocks
+from passes.metadata import PLAN_METADATA_KEY
+from passes.model_map import find_blocks
 from passes.patterns import nbits
 from passes.patterns.nbits import NBits
 from passes.patterns.swiglu import Weight

@@ -82,16 +82,6 @@ def scalar(value: ir.Value | None) -> float | None:
     return float(array.reshape(())) if array is not None and array.size == 1 else None
 
 
-def other_input(node: ir.Node, value: ir.Value) -> ir.Value:
-    """For a binary node with `value` as one operand, the other operand."""
-    a, b = node.inputs[0], node.inputs[1]
-    if a is value:
-        return b
-    if b is value:
-        return a
-    raise NoMatch(f"{node.op_type} does not consume {value.name}")
-
-
 def attr(node: ir.Node, name: str, default):
     attribute = node.attributes.get(name)
     return default if attribute is None else attribute.value

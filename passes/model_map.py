@@ -5,7 +5,7 @@
     model_map.stream_start                    # the value the residual stream starts from
     model_map.branches                        # [ResidualBranch]: every residual branch, in stream order
     model_map.blocks                          # [Block] in stream order (passes/blocks.py records)
-    model_map.attention_of(i)                 # AttentionBlock | None for block i; .record is the typed
+    model_map.attention_of(i)                 # AttentionBranch | None for block i; .record is the typed
                                               # passes.patterns.attention.Attention (heads, KV heads, ...)
     model_map.parallel                        # [ParallelSum]: the parallel groups passes/parallel.py wrote
     model_map.final_norm, model_map.lm_head   # Norm | None, LmHead | None
@@ -58,6 +58,7 @@ from passes.blocks import Block, ResidualAdd
 from passes.errors import UserError
 from passes.graph_inputs import Signature
 from passes.matching import NoMatch, attr, is_initializer
+from passes.metadata import HF_METADATA_KEY, recorded_plan
 from passes.patterns.attention import Attention, branch_nodes, end_projection, is_linear, match_attention
 from passes.patterns.rmsnorm import Norm, match_rmsnorm
 from passes.patterns.swiglu import SwiGLU, match_swiglu
@@ -137,7 +138,7 @@ class ParallelSum:
 
 
 @dataclass(frozen=True)
-class AttentionBlock:
+class AttentionBranch:
     """The attention sub-block of block `index`: the branch that `residual` adds to the stream."""
 
     index: int
@@ -171,12 +172,12 @@ class ModelMap:
     stream_start: ir.Value
     branches: tuple[ResidualBranch, ...]
     blocks: tuple[Block, ...]
-    attention: tuple[AttentionBlock, ...]
+    attention: tuple[AttentionBranch, ...]
     final_norm: Norm | None
     lm_head: LmHead | None
     parallel: tuple[ParallelSum, ...] = ()
 
-    def attention_of(self, index: int) -> AttentionBlock | None:
+    def attention_of(self, index: int) -> AttentionBranch | None:
         return next((a for a in self.attention if a.index == index), None)
 
     @property
@@ -276,7 +277,7 @@ def _is_one_linear(branch: ir.Value, start: ir.Value) -> bool:
 
 def _blocks(
     branches: tuple[ResidualBranch, ...], start: ir.Value, layers: list[tuple[str, str, str]] | None
-) -> tuple[list[Block], list[AttentionBlock]]:
+) -> tuple[list[Block], list[AttentionBranch]]:
     """One block per layer: by the exporter's layer map when it fits the branches, else as seen."""
     parts = _parts_by_layer_map(branches, layers) if layers is not None else None
     names: list[str | None] = [name for _, _, name in layers] if parts is not None and layers else []
@@ -294,7 +295,7 @@ def _blocks(
         stream = block.output if block.output is not None else stream
     blocks = _mark_parallel(blocks, parts)
     attention = [
-        AttentionBlock(i, attn.residual, attn.start)
+        AttentionBranch(i, attn.residual, attn.start)
         for i, (attn, _) in enumerate(parts)
         if attn is not None and attn.kind == "attention"
     ]
@@ -405,12 +406,6 @@ def _heads(branch: ResidualBranch | None) -> tuple[int | None, int | None]:
     return attention.kv_heads, attention.heads
 
 
-# The exporter's metadata (exporters/hf/checkpoint.py writes it): per source layer "attention+ffn" kinds.
-HF_METADATA_KEY = "ffn_fusion.hf"
-# The fusion plan a fused graph carries (passes/fuse.py writes it).
-PLAN_METADATA_KEY = "ffn_fusion.plan"
-
-
 def layer_map(model: ir.Model) -> list[tuple[str, str, str]] | None:
     """Per source layer (attention kind, FFN kind, name) from the exporter's metadata (kinds "gqa",
     "linear", "none"; "swiglu", "linear", "none"), adjusted for a fused graph's plan (a group [i, j]
@@ -420,12 +415,12 @@ def layer_map(model: ir.Model) -> list[tuple[str, str, str]] | None:
         kinds, names = meta["layer_kinds"], meta["layer_names"]
         layers = [(*(re.sub(r"\(.*\)", "", p) for p in kind.split("+")), name)
                   for kind, name in zip(kinds, names, strict=True)]
-        plan = json.loads(model.metadata_props.get(PLAN_METADATA_KEY, "{}")).get("groups", [])
-        for first, last in sorted(plan, reverse=True):
+        plan = recorded_plan(model.metadata_props)
+        for first, last in sorted(plan.groups if plan else (), reverse=True):
             if not 0 <= first < last < len(layers):
                 return None
             layers[first : last + 1] = [(layers[first][0], "swiglu", layers[first][2])]
-    except (KeyError, TypeError, ValueError, AttributeError):
+    except (KeyError, TypeError, ValueError, AttributeError, UserError):
         return None
     return layers if all(len(layer) == 3 for layer in layers) else None
 

@@ -18,15 +18,14 @@ SimplifiedLayerNormalization of x with the same weight and epsilon. Other forms 
 
 from __future__ import annotations
 
-import json
-
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from passes.blocks import Block, ResidualAdd
 from passes.errors import PassInputError, UserError
 from passes.matching import attr
-from passes.model_map import PLAN_METADATA_KEY, find_blocks
+from passes.metadata import PLAN_METADATA_KEY, recorded_plan
+from passes.model_map import find_blocks
 from passes.plan import Plan, validate_plan
 
 RESIDUAL_FORMS = ("Add", "SkipSimplifiedLayerNormalization")
@@ -101,9 +100,8 @@ def _applied_ffn_groups(model: ir.Model, plan: Plan) -> tuple[tuple[int, int], .
     """The plan's FFN groups when FuseFFNGroups has applied them to `model` (its metadata says so)."""
     if not plan.groups:
         return ()
-    recorded = model.metadata_props.get(PLAN_METADATA_KEY)
-    groups = [tuple(g) for g in json.loads(recorded).get("groups", [])] if recorded else []
-    if tuple(groups) != tuple(plan.groups):
+    recorded = recorded_plan(model.metadata_props)
+    if (recorded.groups if recorded else ()) != plan.groups:
         raise UserError("the plan's FFN groups are not fused yet: run FuseFFNGroups before ParallelizeBlocks")
     return plan.groups
 

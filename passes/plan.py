@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from passes.blocks import Block
 from passes.errors import UserError
+
+if TYPE_CHECKING:  # passes.metadata imports this module without onnx_ir
+    from passes.blocks import Block
 
 NORM_MODES = ("last", "fold")
 PLAN_KEYS = {"groups", "norm", "parallel_blocks"}

@@ -5,9 +5,9 @@
 with w the last block's norm weight ("last") or block k's own ("fold"). It reads the original weights of
 one block at a time, a block of rows at a time, and never builds the concatenated matrices the rewrite
 builds; int4 MatMulNBits weights are dequantized here, independently of ONNX Runtime. An FP8 graph's SwiGLU
-FFN (passes/quant/fp8.py) is evaluated the same way on FP8Weights: each input through its QuantizeLinear ->
-DequantizeLinear, each float8 weight dequantized a row block at a time (runtime/verify/fp8.py runs an FP8
-graph's large blocks so).
+FFN (passes/quant/fp8.py; its record passes/patterns/fp8.py) is evaluated the same way on FP8Weights: each
+input through its QuantizeLinear -> DequantizeLinear, each float8 weight dequantized a row block at a time
+(runtime/verify/fp8.py runs an FP8 graph's large blocks so).
 
 A full-block parallel group (design §10) is referenced by `parallel_blocks_sum`: x + sum_k (block_k(x) - x)
 in float64 from each ORIGINAL block run alone on the same x (passes/run/block_runner.py runs them), its
@@ -16,14 +16,12 @@ difference taken as the branches the block adds (no float32 cancellation of two 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from passes.blocks import Block
 from passes.matching import strip_cast
+from passes.patterns.fp8 import FP8SwiGLU, FP8Weight
 from passes.patterns.swiglu import SwiGLU, Weight
-from passes.quant.fp8 import to_fp8
 
 
 def rms_normalize(x: np.ndarray, eps: float) -> np.ndarray:
@@ -36,6 +34,17 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 def swiglu(z: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
     return (silu(z @ gate) * (z @ up)) @ down
+
+
+def group_ffns(blocks: list[Block], group: tuple[int, int]) -> list[Block]:
+    """The original blocks whose FFNs a group [first, last] must sum, found from the block table itself
+    (positions first..last, each checked to carry its own number) rather than through the rewrite's
+    passes.fuse.ffn_members: a wrong member list in the rewrite cannot also be the reference's."""
+    first, last = group
+    members = blocks[first : last + 1]
+    if [b.index for b in members] != list(range(first, last + 1)):
+        raise ValueError(f"block table is not numbered 0..n-1 around group [{first}, {last}]")
+    return [b for b in members if b.ffn is not None]
 
 
 def norm_weight(block: Block) -> np.ndarray | None:
@@ -132,54 +141,3 @@ def _stored_rows(weight: Weight | FP8Weight, start: int, stop: int) -> np.ndarra
     del array  # no view of the memory map may outlive it
     weight.release()
     return block
-
-
-@dataclass(frozen=True, eq=False)
-class FP8Weight:
-    """A linear layer of an FP8 graph (passes/quant/fp8.py) as that graph computes it: DQ(Q(x)) @ DQ(W8).
-    The input goes through QuantizeLinear -> DequantizeLinear with one `input_scale` (saturating float8e4m3fn
-    rounding: the pass's own `to_fp8` rule, here in float64); the float8e4m3fn weight, stored [in, out] as
-    the pass writes it, is dequantized a row block at a time by `scale`, one per output channel of the
-    stored matrix (DequantizeLinear axis=1) or one for the whole tensor. matmul reads it like a Weight."""
-
-    weight: Weight  # the float8e4m3fn initializer, stored [in, out] (columns: a gate_up half of it)
-    scale: np.ndarray  # float64: one per stored column, or one value (per tensor)
-    input_scale: float
-
-    def __post_init__(self) -> None:
-        if self.weight.transposed or self.weight.nbits is not None:
-            raise ValueError("an FP8 graph's float8 weight is stored [in, out]")
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.weight.shape
-
-    @property
-    def transposed(self) -> bool:
-        return False
-
-    def quantized_input(self, x: np.ndarray) -> np.ndarray:
-        """DequantizeLinear(QuantizeLinear(x)): x / scale saturated to +-448, rounded to float8e4m3fn,
-        times scale."""
-        scale = np.float64(self.input_scale)
-        return to_fp8(x, scale).astype(np.float64) * scale
-
-    def dequantized_rows(self, start: int, stop: int) -> np.ndarray:
-        """Rows start:stop of the [in, out] matrix, float8 values times their channel's scale, float64."""
-        rows = _stored_rows(self.weight, start, stop)  # the float8 values, exact in float64 (a new array)
-        first, last = self.weight.columns or (0, len(self.scale))
-        rows *= self.scale if self.scale.size == 1 else self.scale[first:last]  # in place: one row block
-        return rows
-
-
-@dataclass(frozen=True)
-class FP8SwiGLU:
-    """A SwiGLU FFN of an FP8 graph, for ffn(): its three linear layers as FP8Weights."""
-
-    gate: FP8Weight
-    up: FP8Weight
-    down: FP8Weight
-
-    @property
-    def width(self) -> int:
-        return self.gate.shape[1]

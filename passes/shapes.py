@@ -22,6 +22,8 @@ from functools import reduce
 import numpy as np
 import onnx_ir as ir
 
+from passes.metadata import SHAPES_CACHE_KEY
+
 INT_MAX = 2**62  # Slice ends above this mean "to the end"
 _MAX_VALUE_ELEMENTS = 64  # only small integer tensors carry values
 
@@ -688,16 +690,15 @@ class World:
         return self
 
 
-_SHAPES_KEY = "ffn_fusion.shapes"
 
 
 def graph_shapes(graph: ir.Graph) -> World:
     """The symbolic shapes of `graph`, computed once per graph and node count (kept in the graph's own
     metadata, so they go when the graph goes)."""
-    cached = graph.meta.get(_SHAPES_KEY)
+    cached = graph.meta.get(SHAPES_CACHE_KEY)
     if cached is None or cached[0] != len(graph):
         cached = (len(graph), World(graph).run())
-        graph.meta[_SHAPES_KEY] = cached
+        graph.meta[SHAPES_CACHE_KEY] = cached
     return cached[1]
 
 

@@ -14,7 +14,6 @@ near one group's weights (and a group too large for that is evaluated over row b
 
 from __future__ import annotations
 
-import json
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,14 +25,14 @@ import onnxruntime as ort
 from passes.blocks import Block, ResidualAdd
 from passes.error_measures import cosine, l2_relative_error
 from passes.errors import UserError
-from passes.fuse import ffn_members
 from passes.graph_inputs import FeedError, Signature
 from passes.io.model_io import load_model, load_proto, load_typed_proto, weight_bytes
 from passes.io.sessions import open_session
-from passes.model_map import PLAN_METADATA_KEY, find_blocks, vocab_size
+from passes.metadata import PLAN_METADATA_KEY, recorded_plan
+from passes.model_map import find_blocks, vocab_size
 from passes.patterns.nbits import float_activations
-from passes.plan import Plan, parse_plan
-from passes.reference import ffn_weight_bytes, parallel_blocks_sum, parallel_sum
+from passes.plan import Plan
+from passes.reference import ffn_weight_bytes, group_ffns, parallel_blocks_sum, parallel_sum
 from passes.run.block_runner import STREAMING_BYTES, BlockRunner
 from passes.run.cut import NameGraph, fill_stream_types, split_skip_norms, stream_names, value_types
 
@@ -107,10 +106,11 @@ def check_structure(path: Path) -> list[str]:
 
 
 def plan_from_metadata(path: Path) -> Plan:
-    props = {p.key: p.value for p in load_proto(path).metadata_props}
-    if PLAN_METADATA_KEY not in props:
+    """The plan `path` records (passes.metadata.recorded_plan); a UserError when it records none."""
+    plan = recorded_plan({p.key: p.value for p in load_proto(path).metadata_props}, source=str(path))
+    if plan is None:
         raise UserError(f"{path} has no {PLAN_METADATA_KEY} metadata: it was not written by fuse_onnx.py")
-    return parse_plan(json.loads(props[PLAN_METADATA_KEY]), source=f"{path} metadata")
+    return plan
 
 
 def validate(
@@ -139,7 +139,7 @@ def validate(
     if len(fused_blocks) != expected:
         raise ValidationError(f"fused model has {len(fused_blocks)} blocks, the plan gives {expected}")
     # Each group's SwiGLU blocks (FFN-free blocks inside a group fuse nothing) and its fused block's place.
-    pairs = [(g, ffn_members(original_blocks, g), _fused_index(plan, g)) for g in plan.groups]
+    pairs = [(g, group_ffns(original_blocks, g), _fused_index(plan, g)) for g in plan.groups]
     tolerance = tolerance if tolerance is not None else exactness_tolerance(original_blocks)
     for (first, last), group, k in pairs:
         if (width := fused_blocks[k].width) != sum(b.width for b in group):
@@ -344,7 +344,7 @@ def _validate_parallel_plan(
         for g in plan.parallel
     ]
     for group in plan.groups:
-        members = ffn_members(blocks, group)
+        members = group_ffns(blocks, group)
         spans.append(("ffn", group, members[0].ffn_input.name, _sum_name(proto, members[-1].residual)))
     captured = runner.capture(tokens, extra=[x for _, _, x, _ in spans])
     report = ValidationReport("per group")
@@ -355,7 +355,7 @@ def _validate_parallel_plan(
             branches = [runner.run_branches(k, x) for k in range(group[0], group[1] + 1)]
             reference = parallel_blocks_sum(x, branches)
         else:
-            reference = parallel_sum(x, ffn_members(blocks, group), plan.norm)
+            reference = parallel_sum(x, group_ffns(blocks, group), plan.norm)
         report.groups.append(GroupCheck(group, contribution_error(x, y, reference), kind))
     original_logits = runner.logits
     runner.close()

@@ -44,14 +44,7 @@ from passes.run.block_runner import BlockRunner
 from runtime.evaluate import QualityResult, evaluate
 from runtime.heal.input_limits import RunShape
 from runtime.latency.predict import LayerShape, fuse_blocks, hardware, layer_shapes, predict_decode
-from runtime.text_sets import (
-    TextSet,
-    calibration_windows,
-    evaluation_sets,
-    has_tokenizer,
-    random_tokens,
-    windows,
-)
+from runtime.text_sets import calibration_windows, held_out_sets
 
 if TYPE_CHECKING:
     from runtime.heal.costs import HealedCosts
@@ -192,8 +185,7 @@ def healed_costs(
 ) -> HealedCosts:
     """Healed errors of candidate groups, measured on demand (runtime/heal/costs.py): healed on the first
     3/4 of the calibration windows, scored on the last 1/4."""
-    # Here, not at the top: it imports torch, which only `heal` needs.
-    from runtime.heal.costs import HealedCosts
+    from runtime.heal.costs import HealedCosts  # noqa: PLC0415 (imports torch, which only `heal` needs)
 
     source = [options.tokens] if options.tokens else options.text
     data, where = calibration_windows(vocab, source, options.heal_tokens, options.window)
@@ -232,15 +224,6 @@ def tp_counts(shapes: Sequence[LayerShape], plan: Plan) -> tuple[int, int]:
         fuse_blocks(shapes, plan.groups, plan.parallel), 1, 1, 1, 1, hardware("h100", calibrated=False), tp=1
     )
     return step.n_allreduce, step.n_layers
-
-
-def heldout_sets(vocab: int, window: int, max_tokens: int) -> list[TextSet]:
-    """tools/evaluate.py's held-out texts (never the calibration text) with the model's tokenizer; a model
-    whose tokenizer is unknown gets seeded random ids (seed 1; calibration's are seed 0)."""
-    if has_tokenizer(vocab):
-        return evaluation_sets(vocab, window, max_tokens)
-    ids = windows(random_tokens(vocab, max_tokens, seed=1), window)
-    return [TextSet("random", ids, (f"random token ids (seed 1; no tokenizer for vocab {vocab})",))]
 
 
 # Candidates refused by the KL bound before the table stops trying (each one is a fused and measured model).
@@ -349,7 +332,8 @@ def parallel_table(
     refusals. Each variant is fused from the original into a temporary folder inside `out` (validated on
     the calibration `tokens`), compared with the original on held-out text and removed; only two models
     are open at a time."""
-    sets = heldout_sets(vocab, options.window, options.eval_tokens)
+    # evaluate.py's held-out texts; a model whose tokenizer is unknown: seeded random ids
+    sets = held_out_sets(vocab, None, options.eval_tokens, options.window, random_without_tokenizer=True)
 
     def measure(variant: Plan, added: ParallelCandidate | None) -> tuple[ParallelRow, QualityResult]:
         with tempfile.TemporaryDirectory(dir=out, prefix=".parallel-blocks.") as tmp:

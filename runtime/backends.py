@@ -114,7 +114,7 @@ class TrtBackend:
         return np.dtype(self.trt.module.nptype(self.engine.get_tensor_dtype(name))).type
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        import torch  # torch takes seconds to import: only the TensorRT backend (CUDA buffers) needs it
+        import torch  # noqa: PLC0415 (torch: seconds to import; only the TensorRT backend (CUDA buffers) needs it)
 
         stream = torch.cuda.current_stream()
         keep = []

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from exporters.smollm2_tokenizer import load_tokenizer
 from passes.errors import UserError
 from passes.graph_inputs import Role, Signature
 from runtime.backends import Backend, TensorInfo, open_backend
@@ -246,8 +247,6 @@ def generate_text(
     Generation stops at the tokenizer's eos token (<|im_end|> for SmolLM2-Instruct).
     """
     if tokenizer is None:
-        from exporters.smollm2_tokenizer import load_tokenizer  # imports transformers: only without one
-
         tokenizer = load_tokenizer()
     if model is None:
         model = DecodeModel.open(decode_onnx_path, device=device, threads=threads)

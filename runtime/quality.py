@@ -31,11 +31,10 @@ from passes.errors import UserError
 from runtime.evaluate import QualityResult, ReferenceRun
 from runtime.lm_tasks import LICENSE_TASK, license_task
 from runtime.ports import free_port
-from runtime.text_sets import EVALUATION_FILES, TextSet, read_texts, tokenize, windows
+from runtime.text_sets import TextSet, held_out_sets, is_tokenizer_folder
 
 # tools/serve.py is started as a program (as a user starts it), not imported
 SERVE = Path(__file__).resolve().parents[1] / "tools" / "serve.py"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 HEALTH_TIMEOUT_S = 300
 
 
@@ -84,7 +83,7 @@ def check_inputs(models: Sequence[Path], tokenizer: Path) -> None:
     for path in models:
         if not path.is_file():
             raise UserError(f"model {path} does not exist")
-    if not any((tokenizer / name).is_file() for name in TOKENIZER_FILES):
+    if not is_tokenizer_folder(tokenizer):
         raise UserError(f"{tokenizer} holds no tokenizer.json or tokenizer_config.json: pass --tokenizer "
                         "with the model's Hugging Face folder")
 
@@ -100,27 +99,6 @@ def model_names(original: Path, variants: Sequence[Path]) -> list[str]:
             name, k = f"{base}-{k}", k + 1
         names.append(name)
     return names
-
-
-def held_out_sets(
-    tokenizer: Path, texts: Sequence[Path] | None, window: int, max_tokens: int
-) -> list[TextSet]:
-    """The texts (one set "text") or the default held-out sets (prose, code), with the tokenizer folder's
-    tokenizer, each capped at `max_tokens` tokens."""
-    from transformers import AutoTokenizer  # heavy: only when evaluating
-
-    tok = AutoTokenizer.from_pretrained(str(tokenizer))
-    groups = {"text": tuple(texts)} if texts else {
-        name: tuple(f for f in files if f.is_file()) for name, files in EVALUATION_FILES.items()
-    }
-    sets = []
-    for name, files in groups.items():
-        if files:
-            ids = tokenize(read_texts(files), tok)
-            sets.append(TextSet(name, windows(ids, window, max_tokens), tuple(map(str, files))))
-    if not sets:
-        raise UserError("none of the default held-out texts exist on this machine; pass --text FILE")
-    return sets
 
 
 def _environment(offline: bool, cache: Path) -> dict[str, str]:
@@ -242,7 +220,8 @@ def quality(
     if missing:
         raise UserError(f"text file {', '.join(missing)} does not exist")
     lm_eval_program()
-    sets = held_out_sets(tokenizer, texts, window, max_tokens)  # before anything is written or served
+    # before anything is written or served; the tokenizer lm-eval reads, so no vocabulary is needed
+    sets = held_out_sets(None, texts, max_tokens, window, tokenizer)
     names = model_names(original, variants)
     offline = tasks is None
     if tasks is None:  # checks `items` before anything is written

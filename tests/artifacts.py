@@ -74,8 +74,8 @@ def spec_export(spec: object, path: Path, seed: int = 0, *, decode: bool = False
 
 
 def _export_spec(folder: Path, spec: object, seed: int, decode: bool) -> None:
-    from exporters.decode import export_spec_decode
-    from exporters.onnx_export import export_spec_model
+    from exporters.decode import export_spec_decode  # noqa: PLC0415 (torch: seconds to import; only when the export is not cached)
+    from exporters.onnx_export import export_spec_model  # noqa: PLC0415 (torch: seconds to import; only when the export is not cached)
 
     (export_spec_decode if decode else export_spec_model)(spec, folder / "model.onnx", seed=seed)
     if [p.name for p in folder.iterdir()] != ["model.onnx"]:

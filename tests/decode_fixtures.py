@@ -9,6 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from exporters.spec import BlockSpec, ModelSpec
+from passes.pipeline import fuse_file
+from passes.plan import Plan
 from tests.artifacts import artifact
 
 TINY_SEED = 1
@@ -34,9 +36,9 @@ def tiny_spec() -> ModelSpec:
 def torch_greedy(prompt: list[int], steps: int) -> list[int]:
     """The tiny model's greedy tokens as the argmax of a full-sequence torch re-run at every step: no cache,
     no ONNX, no server (the independent reference of tests/runtime/test_generate.py and test_serve.py)."""
-    import torch
+    import torch  # noqa: PLC0415 (torch: seconds to import; only the torch reference needs it)
 
-    from exporters.llama import build_model
+    from exporters.llama import build_model  # noqa: PLC0415 (imports torch: only the torch reference needs it)
 
     model = build_model(tiny_spec(), TINY_SEED)
     sequence = list(prompt)
@@ -58,10 +60,8 @@ MODELS = ("decode", "prefill", "decode_fused", "prefill_fused")
 
 
 def _build(folder: Path, name: str) -> None:
-    from exporters.decode import export_spec_decode
-    from exporters.onnx_export import export_spec_model
-    from passes.pipeline import fuse_file
-    from passes.plan import Plan
+    from exporters.decode import export_spec_decode  # noqa: PLC0415 (torch: seconds to import; only when the export is not cached)
+    from exporters.onnx_export import export_spec_model  # noqa: PLC0415 (torch: seconds to import; only when the export is not cached)
 
     path = folder / f"tiny_{name}.onnx"
     if name == "decode":

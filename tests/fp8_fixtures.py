@@ -16,6 +16,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import onnxruntime as ort
+
+from passes.io.sessions import ORT_DISABLED_OPTIMIZERS
 
 VOCAB = 256
 HIDDEN = 64
@@ -34,10 +37,10 @@ def export_tiny_llama(
     path: Path, *, layers: int = 2, intermediate: int = 128, tie: bool = False, seed: int = 0
 ) -> Path:
     """A transformers LlamaForCausalLM (hidden 64, vocab 256, randomized norm weights) -> ONNX (dynamo)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import torch  # noqa: PLC0415 (torch: seconds to import; only when the model is not cached)
+    from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415 (transformers: seconds to import; only when the model is not cached)
 
-    from exporters.onnx_export import export_onnx
+    from exporters.onnx_export import export_onnx  # noqa: PLC0415 (imports torch: only when the model is not cached)
 
     config = LlamaConfig(
         hidden_size=HIDDEN,
@@ -94,12 +97,8 @@ def eval_ids(seed: int = 123) -> np.ndarray:
 
 @functools.cache
 def _session(path: str):
-    import onnxruntime as ort
-
     options = ort.SessionOptions()
     options.log_severity_level = 3
-    from passes.io.sessions import ORT_DISABLED_OPTIMIZERS
-
     return ort.InferenceSession(
         path, options, providers=["CPUExecutionProvider"], disabled_optimizers=ORT_DISABLED_OPTIMIZERS
     )

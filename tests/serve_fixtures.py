@@ -37,8 +37,8 @@ def words(ids: list[int]) -> str:
 
 
 def save_tokenizer(folder: Path, vocab: int) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: PLC0415 (tokenizers: only when a tokenizer is written)
+    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415 (transformers: seconds to import; only when a tokenizer is written)
 
     table = {name: i for i, name in enumerate(SPECIALS)} | {f"w{i}": i for i in range(len(SPECIALS), vocab)}
     core = Tokenizer(models.WordLevel(table, unk_token="<unk>"))

@@ -11,7 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+from onnxruntime.transformers.optimizer import optimize_model
 
+from exporters.spec import BlockSpec, ModelSpec
 from tests.artifacts import artifact
 
 # blocks: attention + FFN, attention-free FFN, attention + FFN (widths 40, 36, 44: 8 divides none)
@@ -20,18 +22,16 @@ VOCAB = 96
 
 
 def forms_spec():
-    from exporters.spec import BlockSpec, ModelSpec
-
     blocks = [BlockSpec(attention=a, ffn_width=w) for a, w in FORM_BLOCKS]
     return ModelSpec(hidden=72, heads=9, kv_heads=3, vocab=VOCAB, blocks=blocks, tie_embeddings=False)
 
 
 def _attention_classes():
-    import torch
-    import torch.nn.functional as F
-    from torch import nn
+    import torch  # noqa: PLC0415 (torch: seconds to import; only to build a form or the torch reference)
+    import torch.nn.functional as F  # noqa: PLC0415 (torch: only when a form is not cached)
+    from torch import nn  # noqa: PLC0415 (torch: only when a form is not cached)
 
-    from exporters.llama import SelfAttention, rotate_half
+    from exporters.llama import SelfAttention, rotate_half  # noqa: PLC0415 (imports torch: only when a form is not cached)
 
     class WhereMask(SelfAttention):
         """HF/Optimum style: repeat_kv by Expand + Reshape, mask by masked_fill (Where), IsNaN guard."""
@@ -99,7 +99,7 @@ FORMS = {
 
 
 def build_torch(attention: str, seed: int = 4):
-    from exporters.llama import DecoderBlock, build_model
+    from exporters.llama import DecoderBlock, build_model  # noqa: PLC0415 (imports torch: only when a form is not cached)
 
     cls = _attention_classes()[attention]
     original = DecoderBlock.attention_class
@@ -111,7 +111,7 @@ def build_torch(attention: str, seed: int = 4):
 
 
 def export_form(name: str, path: Path) -> Path:
-    from exporters.onnx_export import export_onnx
+    from exporters.onnx_export import export_onnx  # noqa: PLC0415 (imports torch: only when a form is not cached)
 
     attention, exporter, opset = FORMS[name]
     if exporter == "dynamo":
@@ -119,8 +119,6 @@ def export_form(name: str, path: Path) -> Path:
     elif exporter == "torchscript":
         _torchscript_export(build_torch(attention), path, opset)
     else:  # Skip/SimplifiedLayerNormalization for the residual adds and norms
-        from onnxruntime.transformers.optimizer import optimize_model
-
         spec = forms_spec()
         source = forms_model("dynamo_where")
         optimized = optimize_model(
@@ -131,9 +129,9 @@ def export_form(name: str, path: Path) -> Path:
 
 
 def _torchscript_export(model, path: Path, opset: int) -> None:
-    import torch
+    import torch  # noqa: PLC0415 (torch: seconds to import; only to build a form or the torch reference)
 
-    from exporters.onnx_export import quiet_export
+    from exporters.onnx_export import quiet_export  # noqa: PLC0415 (imports torch: only when a form is not cached)
 
     with quiet_export(), torch.no_grad():
         torch.onnx.export(
@@ -159,7 +157,7 @@ def _export_into(folder: Path, name: str) -> None:
 
 def torch_logits(attention: str, ids: np.ndarray) -> np.ndarray:
     """The same model in torch (float64), an independent reference for the exported graphs."""
-    import torch
+    import torch  # noqa: PLC0415 (torch: seconds to import; only to build a form or the torch reference)
 
     model = build_torch(attention).double()
     with torch.no_grad():

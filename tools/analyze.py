@@ -7,10 +7,10 @@ from pathlib import Path
 
 from passes.analysis.parallel_groups import DEFAULT_BLOCK_GROUP
 from passes.analysis.propose import DEFAULT_THRESHOLD
-from passes.cli import add_token_source, parse, tool_parser
 from passes.errors import UserError, run_cli
 from passes.plan import NORM_MODES
 from runtime.analyze import HEAL_THRESHOLD, AnalyzeOptions, analyze_and_plan
+from runtime.cli import add_token_source, parse, tool_parser
 from runtime.frontier.pipeline import FrontierOptions, run_frontier
 from runtime.frontier.target import TARGETS, WEIGHT_BYTES, TargetOptions
 

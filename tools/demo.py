@@ -12,8 +12,10 @@ accuracy through the server, perplexity, KL, top-1; it also shows what healing r
 evaluates nothing here), while the KV-cache decode graph is exported (onnx-ir, seconds), fused with the same
 plan and given the healed weights (heal.py --weights-from), the unpruned, pruned, fused and healed models
 answer the same three questions, and the healed model is served and asked them over HTTP; the table is
-printed at the end. Each step prints the command it runs, so the demo doubles as a tutorial, and its CPU and
-wall time (a table of all steps at the end: on a shared machine the CPU time says what a quiet one takes).
+printed at the end. Last, the healed model is written as one GGUF file (q8_0) with the llama.cpp and
+Ollama commands that run it (docs/deploy.md). Each step prints the command it runs, so the demo doubles as
+a tutorial, and its CPU and wall time (a table of all steps at the end: on a shared machine the CPU time
+says what a quiet one takes).
 Outputs go to demo_out/ (exports are reused).
 """
 
@@ -275,9 +277,22 @@ def main() -> None:
         quality.stop()
         raise
     quality.wait()
+    write_gguf(healed, pruned, out / "healed.gguf")
     print(f"\nattention removed from layers {removed}; plan applied: {json.loads(plan.read_text())}; "
           f"outputs in {out}/")
     print_times()
+
+
+def write_gguf(healed: Path, source: Path, gguf: Path) -> None:
+    """The healed model as a GGUF file of llama.cpp's deci architecture, and the commands that run it."""
+    gguf.unlink(missing_ok=True)  # the healed graph is written anew on every run
+    step("Write the healed model as one GGUF file for llama.cpp and Ollama (q8_0, docs/deploy.md)",
+         "export_checkpoint", healed, "--source", source, "--gguf", "--dtype", "q8_0", "-o", gguf)
+    print(f"\nrun it with llama.cpp (github.com/ggml-org/llama.cpp; `make llama-cpp` builds it here):\n"
+          f"  llama-cli -m {gguf}                      # chat in the terminal\n"
+          f"  llama-server -m {gguf} --port 8080       # the OpenAI API, as tools/serve.py\n"
+          f"or with Ollama: a file Modelfile holding `FROM ./{gguf.name}` beside it, then\n"
+          f"  ollama create healed -f Modelfile && ollama run healed", flush=True)
 
 
 def answer(folder: Path, pruned: Path, plan: Path, healed: Path, decode: Path, fused_decode: Path,

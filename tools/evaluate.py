@@ -8,12 +8,12 @@ import json
 import sys
 from pathlib import Path
 
-from passes.cli import add_token_source, parse, tool_parser
 from passes.errors import UserError, run_cli
 from passes.io.model_io import load_model
 from passes.model_map import find_blocks, vocab_size
+from runtime.cli import add_token_source, parse, tool_parser
 from runtime.evaluate import evaluate, format_table
-from runtime.text_sets import CALIBRATION_FILES, evaluation_sets
+from runtime.text_sets import CALIBRATION_FILES, held_out_sets
 
 EPILOG = """\
 examples:
@@ -51,7 +51,10 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"warning: {', '.join(overlap)} is the default calibration text (not held out)", file=sys.stderr
         )
-    sets = evaluation_sets(vocab, args.window, args.max_tokens, args.text, args.tokens)
+    if args.tokens is not None and args.tokens.suffix != ".npy":  # held_out_sets tells token files by it
+        raise UserError(f"--tokens {args.tokens}: token ids come in an .npy file")
+    source = [args.tokens] if args.tokens is not None else args.text
+    sets = held_out_sets(vocab, source, args.max_tokens, args.window)
     log = (lambda m: None) if args.json else (lambda m: print(m))
     results = evaluate(args.original, args.fused, sets, args.batch, progress=not args.quiet, log=log)
     if args.json:

@@ -18,8 +18,8 @@ import sys
 from exporters import spec
 from exporters.hf import checkpoint as hf_checkpoint
 from exporters.spec import ModelSpec
+from passes.block_table import attention_free_runs, format_runs
 from passes.errors import UserError, run_cli
-from passes.runs import attention_free_runs, format_runs
 
 SPEC_HELP = """\
 spec.json: {"hidden": 64, "heads": 8, "kv_heads": 1, "vocab": 256,
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     blocks: list[int] = []  # SmolLM2's blocks without attention
     model_spec: ModelSpec | None = None  # --spec or --super49b
     if args.smollm2:
-        from exporters import smollm2  # deferred: imports torch and transformers
+        from exporters import smollm2  # noqa: PLC0415 (imports torch and transformers: only for --smollm2)
 
         blocks = smollm2.check_blocks(parse_blocks(args.drop_attention))
     else:
@@ -140,7 +140,7 @@ def export_hf_folder(args: argparse.Namespace) -> int:
 
 def export_graph(args: argparse.Namespace, blocks: list[int], model_spec: ModelSpec | None) -> int:
     """The full-sequence graph of SmolLM2 without attention in `blocks`, or of `model_spec`."""
-    from exporters import onnx_export  # deferred: imports torch
+    from exporters import onnx_export  # noqa: PLC0415 (torch: seconds to import; only this export path needs it)
 
     print(f"exporting to {args.output} (from seconds to a few minutes) ...", file=sys.stderr)
     if model_spec is None:
@@ -161,7 +161,7 @@ def export_graph(args: argparse.Namespace, blocks: list[int], model_spec: ModelS
 
 def export_decode_graph(args: argparse.Namespace, blocks: list[int], model_spec: ModelSpec | None) -> int:
     """The decode graph (KV cache) of SmolLM2 without attention in `blocks`, or of `model_spec`."""
-    from exporters import decode  # deferred: imports torch
+    from exporters import decode  # noqa: PLC0415 (torch: seconds to import; only this export path needs it)
 
     print(f"exporting the decode graph to {args.output} (from seconds to a few minutes) ...", file=sys.stderr)
     if model_spec is None:

@@ -9,13 +9,13 @@ import time
 from pathlib import Path
 
 from passes.block_table import format_block_table
-from passes.cli import add_data_file_size, data_file_bytes, tool_parser
 from passes.errors import UserError, run_cli
 from passes.fuse import ffn_members
 from passes.io.model_io import load_model
 from passes.model_map import find_blocks
 from passes.pipeline import fuse_file
 from passes.plan import load_plan
+from runtime.cli import add_data_file_size, data_file_bytes, tool_parser
 from runtime.verify import VerifyOptions, verify_artifact
 
 EPILOG = """\

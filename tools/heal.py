@@ -7,8 +7,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from passes.cli import add_options, parse, tool_parser
 from passes.errors import run_cli
+from runtime.cli import add_options, parse, tool_parser
 from runtime.heal.metadata import INPUT_MODES, LOSSES, HealConfig
 from runtime.heal.report import HEAL_DEFAULTS, run_heal
 

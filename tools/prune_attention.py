@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from passes.cli import add_options, tool_parser
 from passes.errors import UserError, run_cli
+from runtime.cli import add_options, tool_parser
 from runtime.prune.checkpoint import DTYPES
 from runtime.prune.pipeline import PruneOptions, prune_checkpoint, run_tradeoff, show_importance
 from runtime.prune.selection import format_layers, parse_layers
@@ -23,7 +23,7 @@ examples:
   prune_attention.py ckpt/ --max-kl 0.5 -o pruned/                 as many as a summed KL of 0.5 allows
   prune_attention.py ckpt/ --layers 4-7 --linear -o pruned/        replace_with_linear instead of no_op
   prune_attention.py ckpt/ --layers 5-7 --e2e-steps 30 -o pruned/  then 30 end-to-end Adam steps (KL)
-  prune_attention.py ckpt/ --frontier 2,4,6,8,10 --plot frontier.png   perplexity against layers removed
+  prune_attention.py ckpt/ --tradeoff 2,4,6,8,10 --plot tradeoff.png   perplexity against layers removed
 
 Importance is each attention layer's mean KL(original || model without that layer's attention) on
 calibration text; the held-out text of the report (runtime/text_sets.py evaluation sets, prose and code)
@@ -43,7 +43,7 @@ def options() -> list[tuple[str, dict]]:
         ("--remove", {"type": int, "metavar": "K", "help": "remove the K least important attention layers"}),
         ("--runs", {"type": int, "metavar": "N", "help": "... in N runs of consecutive layers (K//3)"}),
         ("--max-kl", {"type": float, "metavar": "X", "help": "remove as many as summed KL X allows"}),
-        ("--frontier", {"metavar": "COUNTS", "help": "measure only: perplexity for these numbers of layers "
+        ("--tradeoff", {"metavar": "COUNTS", "help": "measure only: perplexity for these numbers of layers "
                         "removed (e.g. 2,4,6,8), surgery and distilled; --plot draws it"}),
         ("--linear", {"action": "store_true", "help": "replace attention by a fitted Linear instead"}),
         ("--e2e-steps", {"type": int, "default": d.e2e_steps, "help": "end-to-end KL steps after it"}),
@@ -81,10 +81,10 @@ def main(argv: list[str] | None = None) -> int:
         importance_tokens=args.importance_tokens, eval_tokens=args.eval_tokens, task_items=args.task_items,
         dtype=args.dtype, importance_from=args.importance_from,
     )
-    if args.frontier is not None:
+    if args.tradeoff is not None:
         if args.output is not None or any(v is not None for v in (layers, args.remove, args.max_kl)):
-            raise UserError("--frontier measures only: no -o, --layers, --remove or --max-kl with it")
-        counts = parse_layers(args.frontier)
+            raise UserError("--tradeoff measures only: no -o, --layers, --remove or --max-kl with it")
+        counts = parse_layers(args.tradeoff)
         run_tradeoff(args.checkpoint, counts, args.plot, opts, log)
         return 0
     choosing = any(v is not None for v in (args.layers, args.remove, args.max_kl))

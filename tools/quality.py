@@ -7,8 +7,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from passes.cli import parse, tool_parser
 from passes.errors import UserError, run_cli
+from runtime.cli import parse, tool_parser
 from runtime.quality import LmEvalTasks, markdown_table, quality
 
 EPILOG = """\

@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError(f"--{flag.replace('_', '-')} must be a positive number of seconds")
     if not args.drain_timeout >= 0:
         raise UserError("--drain-timeout must be at least 0")
-    from runtime.serve.server import serve  # the web stack loads after the arguments are checked
+    from runtime.serve.server import serve  # noqa: PLC0415 (the web stack loads after the arguments are checked)
 
     return serve(
         args.model,

@@ -16,9 +16,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from passes.cli import add_data_file_size, data_file_bytes, tool_parser
 from passes.errors import UserError, run_cli
 from passes.shard import allreduce_line, shard_file
+from runtime.cli import add_data_file_size, data_file_bytes, tool_parser
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -44,6 +44,7 @@ from exporters.hf.dtype_convert import converts, import_converters
 from exporters.hf.weight_sources import WeightSource, check_folder
 from passes.errors import UserError
 from passes.io.staging import commit_output, staged_output
+from passes.metadata import HF_METADATA_KEY
 
 if TYPE_CHECKING:  # onnx_ir (~1.5 s to import) loads once the weight copy runs
     import onnx_ir as ir
@@ -64,7 +65,6 @@ SIDE_FILES = (
     "chat_template.jinja",
     "chat_template.json",
 )
-METADATA_KEY = "ffn_fusion.hf"
 # The prefill and decode graphs' ops mean the same from opset 18 (ReduceMean's axes as an input) to 23.
 GRAPH_OPSETS = range(18, 24)
 
@@ -132,7 +132,7 @@ def export_hf(
             built = time.perf_counter()
             onnx_model = build_graph(config, spec, sources, dtype, opset)
             trace_seconds = time.perf_counter() - built
-            onnx_model.metadata_props[METADATA_KEY] = json.dumps(describe(config, folder, dtype))
+            onnx_model.metadata_props[HF_METADATA_KEY] = json.dumps(describe(config, folder, dtype))
             attach_weights(onnx_model, placements, staged, dtype)
             write_seconds = writing.result()
         except BaseException:
@@ -173,13 +173,12 @@ def build_graph(
 ) -> ir.Model:
     """The graph with value-less weights, built with onnx-ir: the decode graph for a `spec`, else the
     prefill graph. Its weights must be the source tensors, shape for shape."""
-    # Imported here, not at the top: the weight copy starts before onnx_ir loads.
     if spec is None:
-        from exporters.hf.prefill_graph import build_prefill
+        from exporters.hf.prefill_graph import build_prefill  # noqa: PLC0415 (onnx_ir: ~1 s to import; the weight copy starts before it loads)
 
         model = build_prefill(config, dtype, opset)
     else:
-        from exporters.hf.decode_graph import build_decode
+        from exporters.hf.decode_graph import build_decode  # noqa: PLC0415 (onnx_ir: ~1 s to import; the weight copy starts before it loads)
 
         model = build_decode(config, spec, opset)
     _check_weights(model, sources)
@@ -198,7 +197,7 @@ def _check_weights(model: ir.Model, sources: dict[str, WeightSource]) -> None:
 
 
 def _save(model: ir.Model, path: Path) -> None:
-    import onnx_ir as ir  # loaded by build_graph already; see there why not at the top
+    import onnx_ir as ir  # noqa: PLC0415 (loaded by build_graph already; see there why not at the top)
 
     ir.save(model, path)
 

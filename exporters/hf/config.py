@@ -23,13 +23,13 @@ from typing import Any
 from exporters.decode_spec import DecodeSpec, LayerKind
 from exporters.spec import BlockSpec, ffn_width
 from passes.errors import UserError
+from passes.metadata import DROPPED_ATTENTION_KEY
 
 LLAMA_FAMILY = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
 DECI = "DeciLMForCausalLM"
 DTYPES = ("float32", "float16", "bfloat16")
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 # exporters.hf.folder's config key: layers whose attention was dropped (their o_proj is zero).
-DROPPED_ATTENTION_KEY = "ffn_fusion_dropped_attention"
 
 # block_configs fields: the ones with a meaning here, and the ones accepted only at their neutral value.
 ATTENTION_FIELDS = {"no_op", "replace_with_linear", "n_heads_in_group"}

@@ -137,10 +137,9 @@ def write_data(
 def attach_weights(model: ir.Model, placements: dict[str, Placement], path: Path, dtype: str) -> None:
     """Point every value-less initializer (a weight) at its place in `<path>.data`; every place written
     must be read by the graph (a bug otherwise: the data file would carry dead bytes)."""
-    # Imported here, not at the top: onnx_ir takes ~1.5 s to import, and the copy starts before that.
-    import onnx_ir as ir
+    import onnx_ir as ir  # noqa: PLC0415 (onnx_ir: ~1-1.5 s to import; the copy starts before it loads)
 
-    from exporters.hf.prefill_graph import IR_DTYPES
+    from exporters.hf.prefill_graph import IR_DTYPES  # noqa: PLC0415 (loads onnx_ir: as above)
 
     data_name = f"{path.name}.data"
     attached: set[Placement] = set()

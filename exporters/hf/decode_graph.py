@@ -32,9 +32,10 @@ import json
 import numpy as np
 import onnx_ir as ir
 
-from exporters.decode_spec import METADATA_KEY, DecodeSpec, describe
+from exporters.decode_spec import DecodeSpec, describe
 from exporters.hf.config import HfConfig
 from exporters.hf.prefill_graph import BATCH, FLOAT, INT64, INT64_MAX, OPSET, SEQ, ModelGraph
+from passes.metadata import DECODE_METADATA_KEY
 
 PAST, TOTAL = "past_len", "total"
 BOOL = ir.DataType.BOOL
@@ -133,5 +134,5 @@ def build_decode(config: HfConfig, spec: DecodeSpec, opset: int | None = None) -
     graph = _Decode(config).build()
     graph.opset_imports[""] = opset or OPSET
     model = ir.Model(graph, ir_version=10, producer_name="ffn-fusion exporters.hf.decode_graph")
-    model.metadata_props[METADATA_KEY] = json.dumps(describe(spec))
+    model.metadata_props[DECODE_METADATA_KEY] = json.dumps(describe(spec))
     return model

@@ -25,14 +25,14 @@ def import_converters() -> None:
     main thread imports numpy too (through onnx_ir), and two threads importing numpy for the first time
     at once can get it half initialized ("cannot import name '__cpu_features__' from partially initialized
     module"; seen in CI)."""
-    import ml_dtypes  # noqa: F401
-    import numpy  # noqa: F401
+    import ml_dtypes  # noqa: F401, PLC0415 (imported in this thread before the writer starts; see the docstring)
+    import numpy  # noqa: F401, PLC0415 (imported in this thread before the writer starts; see the docstring)
 
 
 def convert_rows(src: int, entry: TensorEntry, fd: int, offset: int, dtype: str) -> int:
     """Write `entry` (read from the open shard `src`) in `dtype` at `offset` of `fd`, in row chunks; returns
     the bytes written."""
-    import numpy as np  # loaded by import_converters before the writer thread started
+    import numpy as np  # noqa: PLC0415 (loaded by import_converters; a copy that keeps the dtype starts before numpy loads)
 
     source, target = numpy_dtype(entry.numpy_name), numpy_dtype(dtype)
     length = entry.end - entry.start

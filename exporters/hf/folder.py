@@ -20,19 +20,17 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM
 
 from exporters.smollm2 import check_blocks, load_torch_model
 from exporters.smollm2_tokenizer import load_tokenizer
+from passes.metadata import DROPPED_ATTENTION_KEY
 
-# config.json key listing the layers whose attention was dropped (o_proj zero); ignored by transformers.
-DROPPED_ATTENTION_KEY = "ffn_fusion_dropped_attention"
 ROPE_THETA = 100000.0  # SmolLM2's (docs/design.md §5)
 
 
 def save_smollm2(folder: Path, drop_attention: Sequence[int] = ()) -> Path:
     """Write SmolLM2-135M-Instruct (float32) as a Hugging Face folder; returns `folder`."""
-    from transformers import AutoModelForCausalLM
-
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     dropped = check_blocks(drop_attention)
@@ -51,12 +49,6 @@ def save_smollm2(folder: Path, drop_attention: Sequence[int] = ()) -> Path:
     _patch_config(folder / "config.json", dropped)
     _save_tokenizer(folder)
     return folder
-
-
-def dropped_attention(folder: Path) -> list[int]:
-    """The layers whose attention `save_smollm2` dropped (from config.json)."""
-    config = json.loads((Path(folder) / "config.json").read_text())
-    return list(config.get(DROPPED_ATTENTION_KEY, []))
 
 
 def _patch_config(path: Path, dropped: list[int]) -> None:

@@ -115,16 +115,15 @@ def read_header(path: Path) -> dict[str, TensorEntry]:
 
 def numpy_dtype(name: str) -> np.dtype:
     """The numpy dtype of float32 | float16 | bfloat16 (bfloat16 from ml_dtypes, which onnx loads anyway)."""
-    # Imported here, not at the top: the weight copy must start before numpy is loaded (see the docstring).
-    import ml_dtypes
-    import numpy as np
+    import ml_dtypes  # noqa: PLC0415 (the weight copy starts before numpy loads; see the docstring)
+    import numpy as np  # noqa: PLC0415 (the weight copy starts before numpy loads; see the docstring)
 
     return np.dtype({"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}[name])
 
 
 def read_tensor_rows(entry: TensorEntry, start: int, stop: int) -> np.ndarray:
     """Rows start:stop of a checkpoint tensor (a vector is one row), in its own dtype, read from the shard."""
-    import numpy as np  # loaded by numpy_dtype already; see there why not at the top
+    import numpy as np  # noqa: PLC0415 (loaded by numpy_dtype already; see there why not at the top)
 
     dtype = numpy_dtype(entry.numpy_name)
     cols = entry.shape[-1] if len(entry.shape) == 2 else math.prod(entry.shape)

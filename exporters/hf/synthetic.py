@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -130,8 +131,6 @@ def write_nemotron(
     folder: Path, config: dict, shards: int = 2, seed: int = 0, dtype: torch.dtype = torch.bfloat16
 ) -> Path:
     """Random weights in `shards` safetensors files plus the index, tensor by tensor (bounded memory)."""
-    from safetensors.torch import save_file
-
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")

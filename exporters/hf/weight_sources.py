@@ -13,9 +13,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from exporters.hf.config import DROPPED_ATTENTION_KEY, DTYPES, HfConfig, expected_tensors, read_config
+from exporters.hf.config import DTYPES, HfConfig, expected_tensors, read_config
 from exporters.hf.safetensors_in import SAFETENSORS_DTYPES, Checkpoint, TensorEntry, open_checkpoint
 from passes.errors import UserError
+from passes.metadata import DROPPED_ATTENTION_KEY
 
 # Tensors some checkpoints carry that no computation reads.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

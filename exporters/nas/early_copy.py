@@ -26,10 +26,11 @@ from pathlib import Path
 from exporters.hf.config import HfConfig, expected_tensors
 from exporters.nas.onnx_proto import EXTERNAL, Initializer, read_model
 from exporters.nas.safetensors_out import OutTensor, copied, filled_with_ones, in_memory, write_checkpoint
+from passes.errors import UserError
+from passes.metadata import HF_METADATA_KEY, recorded_plan
+from passes.plan import Plan
 
 _ATTENTION = ("input_layernorm.", "self_attn.")
-HF_METADATA_KEY = "ffn_fusion.hf"  # passes.model_map's keys (that module loads onnx_ir)
-PLAN_METADATA_KEY = "ffn_fusion.plan"
 
 
 @dataclass
@@ -86,14 +87,14 @@ def guess(onnx_path: Path, source: HfConfig, dtype: str) -> list[OutTensor] | No
     meta = header.metadata
     try:
         json.loads(meta[HF_METADATA_KEY])
-        plan = json.loads(meta.get(PLAN_METADATA_KEY, "{}"))
-    except (KeyError, ValueError):
+        plan = recorded_plan(meta) or Plan()
+    except (KeyError, ValueError, UserError):
         return None
-    if plan.get("parallel_blocks") or source.architecture not in ("LlamaForCausalLM", "DeciLMForCausalLM"):
+    if plan.parallel or source.architecture not in ("LlamaForCausalLM", "DeciLMForCausalLM"):
         return None
     table = header.initializers
     names = expected_tensors(source)
-    groups = {first: last for first, last in plan.get("groups", [])}
+    groups = dict(plan.groups)
     # (output name, the initializer holding it or None for ones, shape)
     order: list[tuple[str, str | None, tuple[int, ...]]] = []
     head = [n for n in names if not n.startswith("model.layers.")]
@@ -108,7 +109,7 @@ def guess(onnx_path: Path, source: HfConfig, dtype: str) -> list[OutTensor] | No
             members = [k for k in range(i, last + 1) if source.layers[k].ffn == "swiglu"]
             width, hidden = sum(source.layers[k].ffn_width for k in members), source.hidden
             last_norm = f"model.layers.{members[-1]}.post_attention_layernorm.weight"
-            norm = last_norm if plan.get("norm", "last") == "last" else None
+            norm = last_norm if plan.norm == "last" else None
             order.append((f"{to}post_attention_layernorm.weight", norm, (hidden,)))
             shapes = {"gate": (width, hidden), "up": (width, hidden), "down": (hidden, width)}
             for role, shape in shapes.items():

@@ -1,12 +1,15 @@
-"""Write a fused or healed ONNX graph as a Nemotron-NAS (DeciLM) Hugging Face checkpoint folder.
+"""Write a fused or healed ONNX graph as a Nemotron-NAS (DeciLM) Hugging Face checkpoint folder, or as a
+GGUF file of llama.cpp's `deci` architecture.
 
     export_checkpoint("fused/model.onnx", "source_ckpt", "out_ckpt")   # docs/deploy.md
+    export_gguf("fused/model.onnx", "source_ckpt", "out.gguf", dtype="q8_0")
 
-The layout (which layer and tensor comes from where) is exporters.nas.layout, the streamed safetensors
-writer exporters.nas.safetensors_out, the FP8 form exporters.nas.fp8. When the weights are kernel copies,
-exporters.nas.early_copy starts writing them from a guess before onnx_ir and the recognizer load, and the
-guess is kept only if the layout agrees with it. Everything is written into a staging folder beside the
-output and renamed into place at the end: a failure leaves nothing behind.
+One layout (which layer and tensor comes from where) for both: exporters.nas.layout. The streamed
+safetensors writer is exporters.nas.safetensors_out, the FP8 form exporters.nas.fp8; the GGUF writer
+exporters.nas.gguf_out, its tokenizer exporters.nas.gguf_vocab. When the weights are kernel copies,
+exporters.nas.early_copy starts writing the checkpoint from a guess before onnx_ir and the recognizer load,
+and the guess is kept only if the layout agrees with it. Everything is written into a staging folder (or
+file) beside the output and renamed into place at the end: a failure leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -165,3 +168,80 @@ def _write_side_files(staging: Path, layout: NasLayout, source: Path, quant: dic
     for name in copied:
         shutil.copyfile(source / name, staging / name)
     return ["config.json", *(["hf_quant_config.json"] if quant is not None else []), *copied]
+
+
+@dataclass
+class GgufResult:
+    output: Path
+    bytes: int
+    seconds: float
+    dtype: str
+    layers: int  # GGUF layers (blk.N)
+    source_layers: list[list[int]]  # per GGUF layer, the source checkpoint layers it computes
+    source_layer_count: int
+    vocab: str  # the tokenizer written (exporters.nas.gguf_vocab)
+    notes: dict[int, str] = field(default_factory=dict)  # GGUF layer -> how it differs from the converter's
+
+
+def export_gguf(
+    onnx_path: str | os.PathLike,
+    source: str | os.PathLike,
+    output: str | os.PathLike,
+    *,
+    dtype: str = "f32",
+    log: Callable[[str], None] | None = None,
+) -> GgufResult:
+    """Write the model of `onnx_path` (exported from the checkpoint folder `source` by export_model.py --hf,
+    then fused and/or healed) as one GGUF file `output` (must not exist) of llama.cpp's `deci` architecture,
+    with the source's tokenizer: `dtype` "f32" | "f16" | "bf16" | "q8_0" for the matrices (norms stay
+    float32). UserError for bad input, before anything is written where possible."""
+    from exporters.nas.gguf_out import GGUF_DTYPES
+
+    start = time.perf_counter()
+    log = log or (lambda message: None)
+    onnx_path, source, output = Path(onnx_path), Path(source), Path(output)
+    if dtype not in GGUF_DTYPES:
+        raise UserError(f"--dtype {dtype!r}: choose one of {', '.join(GGUF_DTYPES)} for a GGUF file")
+    if not onnx_path.is_file():
+        raise UserError(f"{onnx_path} not found")
+    if not source.is_dir():
+        raise UserError(f"--source {source}: not a checkpoint folder")
+    if output.exists() or output.is_symlink():
+        raise UserError(f"-o {output}: exists; choose a new file name")
+    from exporters.nas.gguf_out import ARCH, Writer, add_metadata, gguf_tensor, plan_gguf, write_gguf
+    from exporters.nas.gguf_vocab import add_vocab
+    from exporters.nas.layout import plan_layout
+    from passes.io.model_io import load_model
+
+    layout = plan_layout(load_model(onnx_path), source, onnx_path)
+    plan = plan_gguf(layout)
+    log(
+        f"exporting {onnx_path} as a llama.cpp GGUF (deci): {len(layout.source.layers)} -> "
+        f"{len(plan.layers)} layers, {dtype} ..."
+    )
+    tensors = [gguf_tensor(t, dtype) for t in plan.tensors]
+    writer = Writer(None, ARCH)
+    add_metadata(writer, layout, plan, dtype, source.resolve().name)
+    vocab = add_vocab(writer, source, layout.source.vocab)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    fd, staging = tempfile.mkstemp(dir=output.parent, prefix=f".{output.name}.", suffix=".partial")
+    os.close(fd)
+    staging = Path(staging)
+    os.chmod(staging, 0o644)  # mkstemp's 0o600 is for the staging name only
+    try:
+        size = write_gguf(staging, writer, tensors, log)
+        os.rename(staging, output)
+    finally:
+        writer.close()
+        staging.unlink(missing_ok=True)
+    return GgufResult(
+        output=output,
+        bytes=size,
+        seconds=time.perf_counter() - start,
+        dtype=dtype,
+        layers=len(plan.layers),
+        source_layers=[layer.source_layers for layer in plan.layers],
+        source_layer_count=len(layout.source.layers),
+        vocab=vocab,
+        notes={i: layer.note for i, layer in enumerate(plan.layers) if layer.note},
+    )

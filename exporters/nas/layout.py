@@ -29,7 +29,8 @@ from passes.blocks import Block
 from passes.errors import UserError
 from passes.io.stream_concat import read_columns, read_rows
 from passes.matching import strip_cast
-from passes.model_map import HF_METADATA_KEY, PLAN_METADATA_KEY, find_blocks
+from passes.metadata import HF_METADATA_KEY, PLAN_METADATA_KEY
+from passes.model_map import find_blocks
 from passes.patterns.swiglu import Weight
 
 NAS_ARCHITECTURE = "DeciLMForCausalLM"

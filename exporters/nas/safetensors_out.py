@@ -202,15 +202,17 @@ class _Run:
 
 def _runs(shard: list[OutTensor], offsets: list[int]) -> list[_Run]:
     """The shard's tensors grouped into runs: a tensor copied from the bytes right after the previous
-    tensor's source joins its run. The fused graph's data file holds most tensors in checkpoint order, so a
-    5 GB shard is a handful of copies instead of one open, copy and close per tensor."""
+    tensor's source, to the bytes right after its output (always, here; not where a GGUF file pads a
+    tensor, exporters.nas.gguf_out), joins its run. The fused graph's data file holds most tensors in
+    checkpoint order, so a 5 GB shard is a handful of copies instead of one open, copy and close per
+    tensor."""
     runs: list[_Run] = []
     for tensor, at in zip(shard, offsets, strict=True):
         origin = tensor.origin
         copy = origin is not None and origin[0] == "copy" and origin[3] == tensor.nbytes
         last = runs[-1] if runs else None
         if copy and last is not None and last.source is not None and last.source[0] == origin[1] and (
-            last.source[1] + last.nbytes == origin[2]
+            last.source[1] + last.nbytes == origin[2] and last.at + last.nbytes == at
         ):
             last.tensors.append(tensor)
         else:

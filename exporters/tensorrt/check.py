@@ -50,7 +50,7 @@ def compare_runners(
     runners: Sequence[Any], feeds: Sequence[Mapping[str, np.ndarray]], *, atol: float, rtol: float
 ) -> CheckResult:
     """Run Polygraphy runners on the same feeds; the first runner is the reference."""
-    from polygraphy import comparator  # Polygraphy: the [tensorrt]/test extras, only for engine checks
+    from polygraphy import comparator  # noqa: PLC0415 (Polygraphy: the [tensorrt]/test extras, only for engine checks)
 
     results = comparator.Comparator.run(list(runners), data_loader=list(feeds))
     simple = getattr(comparator, "SimpleCompareFunc", None) or comparator.CompareFunc.simple
@@ -89,7 +89,7 @@ def _min_row_cosine(a: np.ndarray, b: np.ndarray) -> float:
 
 def onnxrt_runner(onnx_path: str | Path, name: str | None = None) -> Any:
     """A Polygraphy ONNX Runtime runner (CPU) that is safe for FP8 Q/DQ graphs (see passes.quant.fp8)."""
-    from polygraphy.backend.onnxrt import OnnxrtRunner  # as in compare
+    from polygraphy.backend.onnxrt import OnnxrtRunner  # noqa: PLC0415 (Polygraphy: the [tensorrt]/test extras, only for engine checks)
 
     def session() -> Any:
         return open_session(onnx_path)
@@ -109,7 +109,7 @@ def check_engine(
 ) -> CheckResult:
     """Compare a TensorRT engine with ONNX Runtime on the same ONNX (needs datacenter TensorRT and a GPU)."""
     trt_shim.require_gpu_runtime()
-    from polygraphy.backend.trt import EngineFromBytes, TrtRunner  # as in compare
+    from polygraphy.backend.trt import EngineFromBytes, TrtRunner  # noqa: PLC0415 (Polygraphy: the [tensorrt]/test extras, only for engine checks)
 
     engine = TrtRunner(EngineFromBytes(Path(engine_path).read_bytes()), name=f"trt:{Path(engine_path).name}")
     feeds = token_feeds(shapes, vocab, seed=seed, input_name=_engine_input(engine_path))

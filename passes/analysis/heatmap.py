@@ -20,13 +20,12 @@ def plot_dependency(
     """A heatmap of the dependency matrix like the paper's figure: row i = skipped block, column j =
     block whose contribution is measured; attention-free blocks marked along both axes, FFN groups boxed
     (solid), parallel block groups boxed (dashed, labelled "P[i, j]")."""
-    # matplotlib here, not at the top: it takes a second to import, and only the figure needs it.
-    import matplotlib
+    import matplotlib  # noqa: PLC0415 (matplotlib: ~0.5 s; only the figure needs it)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.colors import LogNorm
-    from matplotlib.patches import Patch, Rectangle
+    import matplotlib.pyplot as plt  # noqa: PLC0415 (after matplotlib.use("Agg"); only the figure needs it)
+    from matplotlib.colors import LogNorm  # noqa: PLC0415 (matplotlib: only the figure needs it)
+    from matplotlib.patches import Patch, Rectangle  # noqa: PLC0415 (matplotlib: only the figure needs it)
 
     n = len(attention)
     values = np.asarray(dependency, dtype=np.float64)

@@ -25,13 +25,13 @@ from pathlib import Path
 
 import numpy as np
 
+from passes.block_table import attention_free_runs
 from passes.error_measures import cosine, l2_relative_error
 from passes.errors import UserError
 from passes.graph_inputs import Signature
 from passes.pipeline import fuse_file
 from passes.plan import NORM_MODES, Plan
 from passes.run.block_runner import model_logits
-from passes.runs import attention_free_runs
 
 DEFAULT_THRESHOLD = 0.15
 

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 import ml_dtypes
 import numpy as np
+import onnx
 import onnx_ir as ir
 
 from passes.io.tensor_writer import (
@@ -259,9 +260,7 @@ def _half_fold(triples: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None
 def _half_fold_session(count: int):
     """A one-thread ONNX Runtime session computing y_i = float16(float32(w_i) * g_i) for `count` pairs
     (g_i float32, broadcast)."""
-    import onnx  # only here: stream_concat itself needs neither onnx nor onnxruntime
-
-    from passes.io.sessions import open_session  # ONNX Runtime too
+    from passes.io.sessions import open_session  # noqa: PLC0415 (ONNX Runtime: only float16 folds that _half_scale.c cannot take need it)
 
     helper, half, single = onnx.helper, onnx.TensorProto.FLOAT16, onnx.TensorProto.FLOAT
     value = helper.make_tensor_value_info

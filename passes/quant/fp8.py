@@ -49,6 +49,7 @@ __all__ = [
     "QuantizeFP8",
     "channel_scales",
     "quantize_fp8",
+    "source_weight_name",
     "to_fp8",
     "weight_bands",
 ]
@@ -151,6 +152,13 @@ class _Namer:
             name, i = f"{base}_{i}", i + 1
         self.used.add(name)
         return name
+
+
+def source_weight_name(fp8_name: str) -> str:
+    """The source weight's name of a float8 weight the pass wrote: it names it `<source>_fp8` (`_fp8_<k>` on a
+    name clash, _Namer); any other name is returned as it is."""
+    base, _, tail = fp8_name.rpartition("_fp8")
+    return base if tail == "" or tail.lstrip("_").isdigit() else fp8_name
 
 
 def _initializer(graph: ir.Graph, name: str, tensor: ir.TensorProtocol) -> ir.Value:

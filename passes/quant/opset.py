@@ -27,8 +27,7 @@ def raise_opset(model: ir.Model, target: int, minimum: int, purpose: str) -> tup
     before = model.opset_imports.get("", 1)
     if before >= target:
         return before, before
-    # onnxscript's converter takes a while to import: only when the opset must rise
-    from onnxscript.version_converter import ConvertVersionPass
+    from onnxscript.version_converter import ConvertVersionPass  # noqa: PLC0415 (onnxscript's converter: slow to import; only when the opset must rise)
 
     _move_domain(model, "", _ASIDE_DOMAIN, lambda node: not onnx.defs.has(node.op_type, ""))
     with _captured_warnings("onnxscript.version_converter") as warnings:

@@ -47,7 +47,7 @@ from passes.shard.files import (
 )
 from passes.shard.partition import VALID_TP, HeadPlan, WeightSlice, check_tp, kv_layout, plan_slices
 from passes.shard.rank_pass import ShardRank
-from passes.shard.rewrite import LM_HEAD_MODES, METADATA_KEY, RankInfo, shard_in_memory
+from passes.shard.rewrite import LM_HEAD_MODES, RankInfo, shard_in_memory
 
 __all__ = [
     "COLLECTIVE_DOMAIN",
@@ -55,7 +55,6 @@ __all__ = [
     "LM_HEAD_MODES",
     "MANIFEST",
     "MANIFEST_FORMAT",
-    "METADATA_KEY",
     "VALID_TP",
     "BranchSummary",
     "HeadPlan",

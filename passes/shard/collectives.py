@@ -19,7 +19,7 @@ import onnx_ir as ir
 
 from passes.errors import UserError
 from passes.io.model_io import load_model, load_proto
-from passes.model_map import HF_METADATA_KEY, PLAN_METADATA_KEY
+from passes.metadata import HF_METADATA_KEY, recorded_plan
 from passes.shard.roles import WeightRef, find_structure
 from passes.shard.value_types import walk_type
 
@@ -165,14 +165,14 @@ def allreduce_line(path: str | Path) -> str:
     path = Path(path)
     line = f"{path}: {count_allreduces(path)} all-reduces per forward pass"
     recorded = {p.key: p.value for p in load_proto(path).metadata_props}
-    plan = json.loads(recorded[PLAN_METADATA_KEY]) if PLAN_METADATA_KEY in recorded else None
+    plan = recorded_plan(recorded, source=str(path))
     if plan is None:
         return line
     notes = []
-    if groups := plan.get("groups", []):
+    if groups := plan.groups:
         removed = sum(_ffn_members(recorded, i, j) - 1 for i, j in groups)
         notes.append(f"fused: {len(groups)} group(s), {removed} FFN all-reduce(s) removed")
-    if parallel := plan.get("parallel_blocks", []):
+    if parallel := plan.parallel:
         removed = sum(2 * (j - i) for i, j in parallel)
         shown = ", ".join(f"[{i}, {j}]" for i, j in parallel)
         notes.append(f"parallel blocks {shown}: 2 all-reduces per group, {removed} removed")

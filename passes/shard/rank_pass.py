@@ -14,10 +14,11 @@ import json
 import onnx_ir as ir
 
 from passes.errors import PassInputError, UserError
+from passes.metadata import TP_METADATA_KEY
 from passes.model_map import find_embedding
 from passes.shard.collectives import collective_op, collectives, reject_rank_graph
 from passes.shard.partition import check_tp
-from passes.shard.rewrite import LM_HEAD_MODES, METADATA_KEY, RankInfo, shard_in_memory
+from passes.shard.rewrite import LM_HEAD_MODES, RankInfo, shard_in_memory
 
 ROW_OPS = ("MatMul", "Gemm", "MatMulNBits")  # what a row-parallel projection is
 
@@ -59,9 +60,9 @@ class ShardRank(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified=self.tp > 1)
 
     def ensures(self, model: ir.Model) -> None:
-        recorded = json.loads(model.metadata_props.get(METADATA_KEY, "{}"))
+        recorded = json.loads(model.metadata_props.get(TP_METADATA_KEY, "{}"))
         if (recorded.get("tp"), recorded.get("rank")) != (self.tp, self.rank):
-            raise AssertionError(f"{METADATA_KEY} {recorded} does not name rank {self.rank} of {self.tp}")
+            raise AssertionError(f"{TP_METADATA_KEY} {recorded} does not name rank {self.rank} of {self.tp}")
         found = collectives(model)
         if self.tp == 1:
             if found:

@@ -17,6 +17,7 @@ import numpy as np
 import onnx_ir as ir
 
 from passes.errors import UserError
+from passes.metadata import TP_METADATA_KEY
 from passes.patterns.linear import constant_tensor
 from passes.shapes import Dim, Info, World, dims_to_ir
 from passes.shard.collectives import (
@@ -34,7 +35,6 @@ from passes.shard.value_types import walk_type
 LM_HEAD_MODES = ("replicated", "vocab")
 
 
-METADATA_KEY = "ffn_fusion.tp"
 
 
 @dataclass
@@ -60,7 +60,7 @@ def shard_in_memory(model: ir.Model, tp: int, rank: int, lm_head: str = "replica
     world = World(graph).run()
     structure = find_structure(model, world)
     if tp == 1:
-        model.metadata_props[METADATA_KEY] = json.dumps({"tp": 1, "rank": 0})
+        model.metadata_props[TP_METADATA_KEY] = json.dumps({"tp": 1, "rank": 0})
         return RankInfo(0, 0, 0, 0, 0)
     vocab = structure.lm_head.matrix_shape()[1] if structure.lm_head is not None else 0
     slices = plan_slices(structure, tp, rank, lm_head)
@@ -93,7 +93,7 @@ def shard_in_memory(model: ir.Model, tp: int, rank: int, lm_head: str = "replica
         gather_logits(graph, structure.lm_head, vocab, tp)
         gathers = 1
     model.opset_imports.setdefault(COLLECTIVE_DOMAIN, 1)
-    model.metadata_props[METADATA_KEY] = json.dumps({"tp": tp, "rank": rank, "lm_head": lm_head})
+    model.metadata_props[TP_METADATA_KEY] = json.dumps({"tp": tp, "rank": rank, "lm_head": lm_head})
     return RankInfo(rank, structure.allreduces, gathers, len(slices), len(rank_world.rewrites))
 
 

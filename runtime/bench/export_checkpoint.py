@@ -1,5 +1,5 @@
 """Streaming benchmark of the checkpoint writer (tools/bench_export_checkpoint.py): time and peak memory of
-tools/export_checkpoint.py against a plain copy of the same weights.
+tools/export_checkpoint.py against a plain copy of the same weights, and of its GGUF writer (--gguf).
 
 Setup (untimed): runtime.bench.export's random Nemotron-NAS checkpoint (bf16 shards, attention on even
 layers), exported by export_model.py --hf (bf16) and fused with every pair [2k, 2k + 1] of the first
@@ -8,8 +8,12 @@ layers), exported by export_model.py --hf (bf16) and fused with every pair [2k, 
 fresh child process whose own peak RSS and CPU time are read, with `sync` before each so that none pays for
 the writeback of the one before:
   - copy: the fused graph's data file copied (the bytes the checkpoint holds, the I/O floor),
-  - export: tools/export_checkpoint.py of the fused graph (bf16 kept: kernel copies only).
-Bounds (issue 36): time at most 1.2x the copy's, peak RSS at most 256 MB, whatever the model size.
+  - export: tools/export_checkpoint.py of the fused graph (bf16 kept: kernel copies only);
+  - gguf DTYPE (when asked for): tools/export_checkpoint.py --gguf --dtype DTYPE of the same graph (f32
+    writes twice the bytes of the bf16 weights, q8_0 quantizes them: CPU work a copy does not do; bf16
+    copies them except Q and K, whose rows are permuted).
+Bounds (issue 36; issue 47 for the GGUF writer): time at most 1.2x the copy's, peak RSS at most 256 MB,
+whatever the model size.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import shutil
 import statistics
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
@@ -63,30 +67,37 @@ class CheckpointBench:
     groups: int
     steps: list[CheckpointStep]
 
-    def ratios(self) -> list[float]:
+    def ratios(self, name: str = "export") -> list[float]:
         copies = {s.round: s.seconds for s in self.steps if s.name == "copy"}
-        return [s.seconds / copies[s.round] for s in self.steps if s.name == "export"]
+        return [s.seconds / copies[s.round] for s in self.steps if s.name == name]
+
+    @property
+    def step_names(self) -> list[str]:
+        return list(dict.fromkeys(s.name for s in self.steps if s.name != "copy"))
 
     def as_json(self) -> str:
-        return json.dumps({**asdict(self), "ratios": self.ratios()}, indent=1)
+        ratios = {name: self.ratios(name) for name in self.step_names}
+        return json.dumps({**asdict(self), "ratios": ratios}, indent=1)
 
     def table(self) -> str:
         lines = [
             f"fused graph: {self.data_bytes / 2**30:.2f} GiB of weights, hidden {self.hidden}, {self.layers} "
             f"layers, {self.groups} fused pairs",
-            f"{'step':<8}{'round':>6}{'seconds':>9}{'x copy':>8}{'CPU s':>7}{'peak MiB':>10}  bounds",
+            f"{'step':<10}{'round':>6}{'seconds':>9}{'x copy':>8}{'CPU s':>7}{'peak MiB':>10}{'out GiB':>9}"
+            "  bounds",
         ]
         copies = {s.round: s.seconds for s in self.steps if s.name == "copy"}
         for s in self.steps:
             ratio = s.seconds / copies[s.round]
             ok = ""
-            if s.name == "export":
+            if s.name != "copy":
                 ok = "ok" if ratio <= TIME_BOUND and s.peak_bytes <= PEAK_BOUND else "OVER"
             lines.append(
-                f"{s.name:<8}{s.round:>6}{s.seconds:>9.2f}{ratio:>8.2f}{s.cpu_seconds:>7.1f}"
-                f"{s.peak_bytes / MB:>10.0f}  {ok}"
+                f"{s.name:<10}{s.round:>6}{s.seconds:>9.2f}{ratio:>8.2f}{s.cpu_seconds:>7.1f}"
+                f"{s.peak_bytes / MB:>10.0f}{s.output_bytes / 2**30:>9.2f}  {ok}"
             )
-        lines.append(f"median x copy: {statistics.median(self.ratios()):.2f}")
+        for name in self.step_names:
+            lines.append(f"median x copy, {name}: {statistics.median(self.ratios(name)):.2f}")
         return "\n".join(lines)
 
 
@@ -100,7 +111,11 @@ def bench(
     groups: int = 8,
     rounds: int = 2,
     log: Callable[[str], None] = print,
+    gguf: Sequence[str] = (),
+    checkpoint_step: bool = True,
 ) -> CheckpointBench:
+    """`gguf`: the GGUF dtypes to time as well (tools/export_checkpoint.py --gguf); `checkpoint_step`:
+    time the checkpoint writer too."""
     checkpoint = work / "checkpoint"
     log(f"writing a nemotron-nas checkpoint: hidden {hidden}, {layers} layers, bf16 ...")
     build_checkpoint(checkpoint, hidden, heads, layers, vocab, shards)
@@ -110,9 +125,11 @@ def bench(
     fused = work / "fused" / "model.onnx"
     data = [p for p in fused.parent.iterdir() if p.name != fused.name]
     data_bytes = sum(p.stat().st_size for p in data)
-    export = partial(_export_step, fused, checkpoint, work / "out")
+    writers = [("export_checkpoint", partial(_export_step, fused, checkpoint, work / "out"))]
+    writers = writers if checkpoint_step else []
+    writers += [(f"gguf {d}", partial(_gguf_step, fused, checkpoint, work / "out.gguf", d)) for d in gguf]
     steps = []
-    for one in alternate_with_copy(data, work / "copy", rounds, [("export_checkpoint", export)], log):
+    for one in alternate_with_copy(data, work / "copy", rounds, writers, log):
         c = one.copy
         steps.append(CheckpointStep("copy", one.round, c.seconds, c.cpu_seconds, c.peak_bytes, data_bytes))
         steps += one.steps
@@ -126,3 +143,13 @@ def _export_step(fused: Path, checkpoint: Path, out: Path, round_: int) -> Check
     size = sum(p.stat().st_size for p in out.iterdir())
     shutil.rmtree(out)
     return CheckpointStep("export", round_, run.seconds, run.cpu_seconds, run.peak_bytes, size)
+
+
+def _gguf_step(fused: Path, checkpoint: Path, out: Path, dtype: str, round_: int) -> CheckpointStep:
+    args = [fused, "--source", checkpoint, "--gguf", "--dtype", dtype, "-o", out]
+    run = measure(ROOT / "tools" / "export_checkpoint.py", args)
+    if run.code != 0:
+        raise RuntimeError(f"export_checkpoint --gguf failed: {run.output[-800:]}")
+    size = out.stat().st_size
+    out.unlink()
+    return CheckpointStep(f"gguf {dtype}", round_, run.seconds, run.cpu_seconds, run.peak_bytes, size)

@@ -8,11 +8,15 @@ extension this project's server accepts) with a prompt cut from real English tex
 Per server and concurrency: time to first token (request sent -> first text chunk), inter-token latency
 (between consecutive text chunks) p50/p90/p99, output tokens/s (completion tokens of all requests / wall
 time of the waves), requests/s, failures. Writes JSON, a Markdown table and a PNG.
+
+Any OpenAI-compatible server is a target; tools/bench_serve.py --gguf also starts llama.cpp's llama-server
+on GGUF files as peers (runtime/bench/llama_server.py) and stops them at the end.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -34,6 +38,7 @@ class Target:
     label: str
     url: str  # base URL; "/v1" is added when missing
     model: str = ""
+    engine: str = ""  # what serves it, when the benchmark started it (runtime/bench/llama_server.py)
 
     @property
     def api(self) -> str:
@@ -178,7 +183,7 @@ def discover(target: Target) -> Target:
         raise UserError(f"{target.url} serves no model")
     if target.model and target.model not in models:
         raise UserError(f"{target.url} does not serve {target.model!r} (it serves {', '.join(models)})")
-    return Target(target.label, target.url, target.model or models[0])
+    return Target(target.label, target.url, target.model or models[0], target.engine)
 
 
 def run(
@@ -194,6 +199,7 @@ def run(
 ) -> dict:
     """Measure every target at every concurrency, the targets alternating; returns the report dict."""
     targets = [discover(t) for t in targets]
+    load = [os.getloadavg()[0]]
     texts = prompts(requests, prompt_words, seed)
     per_round = [texts[i::rounds] for i in range(rounds)]
     summaries = []
@@ -214,10 +220,11 @@ def run(
                 f"TTFT p50 {summary.ttft_ms_p50:8.1f} ms, ITL p50 {summary.itl_ms_p50:7.2f} ms"
                 + (f", {summary.failed} failed" if summary.failed else "")
             )
-    return report(targets, concurrencies, requests, max_tokens, prompt_words, rounds, summaries)
+    load.append(os.getloadavg()[0])
+    return report(targets, concurrencies, requests, max_tokens, prompt_words, rounds, summaries, load)
 
 
-def report(targets, concurrencies, requests, max_tokens, prompt_words, rounds, summaries) -> dict:
+def report(targets, concurrencies, requests, max_tokens, prompt_words, rounds, summaries, load=()) -> dict:
     by = {(s.label, s.concurrency): s for s in summaries}
     labels = [t.label for t in targets]
     scaling = {
@@ -226,13 +233,14 @@ def report(targets, concurrencies, requests, max_tokens, prompt_words, rounds, s
         for label in labels
         if by[(label, min(concurrencies))].output_tokens_per_s
     }
-    ratios = []
-    if len(labels) == 2:
+    ratios = []  # every other target over the first
+    for label in labels[1:]:
         for c in concurrencies:
-            base, other = by[(labels[0], c)], by[(labels[1], c)]
+            base, other = by[(labels[0], c)], by[(label, c)]
             if base.output_tokens_per_s:
                 ratios.append(
                     {
+                        "label": label,
                         "concurrency": c,
                         "throughput_ratio": other.output_tokens_per_s / base.output_tokens_per_s,
                     }
@@ -241,6 +249,7 @@ def report(targets, concurrencies, requests, max_tokens, prompt_words, rounds, s
         "format": FORMAT,
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": machine(),
+        "load_average": [round(x, 2) for x in load],  # 1-minute load at the start and at the end
         "targets": [asdict(t) for t in targets],
         "settings": {
             "concurrency": list(concurrencies),
@@ -251,7 +260,7 @@ def report(targets, concurrencies, requests, max_tokens, prompt_words, rounds, s
         },
         "results": [asdict(s) for s in summaries],
         "throughput_scaling": {"from": min(concurrencies), "to": max(concurrencies), **scaling},
-        "throughput_ratio": ratios,  # second target / first, per concurrency
+        "throughput_ratio": ratios,  # every other target / the first, per concurrency
     }
 
 
@@ -262,11 +271,14 @@ def markdown(data: dict) -> str:
         "",
         f"{machine_line(data['machine'])}. {s['requests']} streamed completions per server and "
         f"concurrency, {s['max_tokens']} output tokens each (ignore_eos), prompts of {s['prompt_words']} "
-        f"words; servers alternating over {s['rounds']} rounds.",
+        f"words; servers alternating over {s['rounds']} rounds"
+        + (f"; load average {data['load_average'][0]:.1f} at the start, {data['load_average'][-1]:.1f} at "
+           "the end" if data.get("load_average") else "")
+        + ".",
         "",
-        "| server | model | URL |",
-        "|---|---|---|",
-        *[f"| {t['label']} | {t['model']} | {t['url']} |" for t in data["targets"]],
+        "| server | model | URL | engine |",
+        "|---|---|---|---|",
+        *[f"| {t['label']} | {t['model']} | {t['url']} | {t.get('engine') or ''} |" for t in data["targets"]],
         "",
         "| concurrency | server | output tok/s | req/s | TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms "
         "| failed |",
@@ -288,16 +300,16 @@ def markdown(data: dict) -> str:
             + ", ".join(f"{k} {v:.2f}x" for k, v in scaling.items())
             + ".",
         ]
-    if data["throughput_ratio"]:
-        second, first = data["targets"][1]["label"], data["targets"][0]["label"]
-        lines += [
-            "",
-            f"{second} / {first} output throughput: "
-            + ", ".join(
-                f"{r['throughput_ratio']:.2f}x at {r['concurrency']}" for r in data["throughput_ratio"]
-            )
-            + ".",
-        ]
+    first = data["targets"][0]["label"]
+    for target in data["targets"][1:]:
+        rows = [r for r in data["throughput_ratio"] if r.get("label", target["label"]) == target["label"]]
+        if rows:
+            lines += [
+                "",
+                f"{target['label']} / {first} output throughput: "
+                + ", ".join(f"{r['throughput_ratio']:.2f}x at {r['concurrency']}" for r in rows)
+                + ".",
+            ]
     return "\n".join(lines) + "\n"
 
 

@@ -21,9 +21,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from passes.analysis.parallel_groups import full_block_windows
+from passes.block_table import attention_free_runs
 from passes.blocks import Block
 from passes.plan import NORM_MODES, Plan
-from passes.runs import attention_free_runs
 
 # A move whose summed cost does not grow (or shrinks) is taken first: gain / max(cost, this).
 MIN_COST = 1e-9

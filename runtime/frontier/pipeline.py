@@ -41,7 +41,7 @@ from runtime.frontier.report import Entry, FrontierReport
 from runtime.frontier.screen import PlanCosts
 from runtime.frontier.target import TargetOptions, resolve
 from runtime.heal.input_limits import RunShape
-from runtime.text_sets import calibration_windows, evaluation_sets
+from runtime.text_sets import calibration_windows, held_out_sets
 
 
 @dataclass(frozen=True)
@@ -166,7 +166,7 @@ def run_frontier(
         costs(plan)
     costs.close()  # the screener's sessions hold the original's weights: released before measuring
     # evaluate.py's default held-out text, so that `evaluate.py --max-tokens N --window W` reproduces a row.
-    texts = evaluation_sets(vocab, window, options.eval_tokens)
+    texts = held_out_sets(vocab, None, options.eval_tokens, window)
     entries = _measure_all(model, out, plans, texts, costs, target, cache, progress, say, log)
     flags = dominated([(e.predicted_speedup, e.quality.kl) for e in entries])
     entries = [e.with_frontier(not d) for e, d in zip(entries, flags, strict=True)]
@@ -264,7 +264,7 @@ def _measure_all(model, out, plans, texts, costs, target, cache, progress, say, 
 
 def _heal(model, out, report, chosen, options, texts, cache, say, log) -> FrontierReport:
     """Heal the chosen plan (or every frontier plan) and measure the healed model on the same text."""
-    from runtime.heal.report import run_heal  # torch: only --heal needs it
+    from runtime.heal.report import run_heal  # noqa: PLC0415 (imports torch: only --heal needs it)
 
     which = [chosen] if options.heal == "chosen" else [e for e in report.entries if e.on_frontier]
     which = [e for e in which if e is not None and (e.plan.groups or e.plan.parallel)]
@@ -284,7 +284,7 @@ def _heal(model, out, report, chosen, options, texts, cache, say, log) -> Fronti
 def _lm_eval(model, out, report, options, say, log) -> FrontierReport:
     """lm-eval accuracy (the offline license_mc task, through the server) of the original and every frontier
     plan."""
-    from runtime.quality import quality  # starts servers; only --lm-eval needs it
+    from runtime.quality import quality  # noqa: PLC0415 (starts servers (httpx, the serving stack); only --lm-eval needs it)
 
     chosen = [e for e in report.entries if e.on_frontier and e.fuses]
     with tempfile.TemporaryDirectory(dir=out, prefix=".lm-eval.") as tmp:

@@ -9,7 +9,6 @@ from pathlib import Path
 from passes.errors import UserError
 from passes.plan import Plan
 
-HEAL_METADATA_KEY = "ffn_fusion.heal"
 # sha256 of each initializer heal.py wrote, over its stored bytes (onnx_ir's tensor.tobytes(), the dtype and
 # layout of the file): runtime/verify checks a healed file against them. Files healed before this key have
 # none and are refused by the verifier.

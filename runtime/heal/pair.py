@@ -13,13 +13,13 @@ import numpy as np
 from passes.blocks import Block
 from passes.errors import UserError
 from passes.io.model_io import load_model
+from passes.metadata import HEAL_METADATA_KEY
 from passes.model_map import find_blocks
 from passes.plan import Plan
 from passes.reference import parallel_sum
 from passes.validate import plan_from_metadata
 from runtime.heal.ffn import GroupWeights
 from runtime.heal.input_limits import RunShape
-from runtime.heal.metadata import HEAL_METADATA_KEY
 
 
 @dataclass

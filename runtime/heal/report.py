@@ -17,7 +17,7 @@ from runtime.evaluate import QualityResult, evaluate, format_table
 from runtime.heal.distill import heal
 from runtime.heal.metadata import DEFAULT_CONFIG, HealConfig, HealResult
 from runtime.heal.pair import load_pair
-from runtime.text_sets import TextSet, calibration_windows, evaluation_sets
+from runtime.text_sets import calibration_windows, held_out_sets
 
 
 @dataclass(frozen=True)
@@ -101,14 +101,7 @@ def run_heal(
     pair = load_pair(original, fused)
     vocab = vocab_size(pair.original_blocks)
     window = pair.shape.window(window)
-
-    def held_out(count: int) -> list[TextSet]:
-        files = [Path(p) for p in heldout or []]
-        if len(files) == 1 and files[0].suffix == ".npy":
-            return evaluation_sets(vocab, window, count, token_file=files[0])
-        return evaluation_sets(vocab, window, count, text=files or None)
-
-    held = np.concatenate([s.windows for s in held_out(heldout_tokens)])
+    held = np.concatenate([s.windows for s in held_out_sets(vocab, heldout, heldout_tokens, window)])
     if weights_from is None:
         calib_windows, source = calibration_windows(vocab, calib, tokens, window)
         log(f"calibration: {source}: {calib_windows.shape[0]} x {calib_windows.shape[1]} tokens")
@@ -119,7 +112,7 @@ def run_heal(
     gc.collect()
     before, after = [], []
     if eval_tokens:
-        sets = held_out(eval_tokens)
+        sets = held_out_sets(vocab, heldout, eval_tokens, window)
         log("evaluating the fused and the healed model against the original on held-out text")
         before = evaluate(original, fused, sets, progress=False)
         after = evaluate(original, result.output, sets, progress=False)

@@ -15,11 +15,12 @@ import numpy as np
 
 from passes.errors import UserError
 from passes.io.model_io import load_model
+from passes.metadata import HEAL_METADATA_KEY
 from passes.model_map import find_blocks
 from passes.run.block_runner import BlockRunner
 from passes.validate import exactness_tolerance, plan_from_metadata
 from runtime.heal.ffn import GroupWeights, fingerprint
-from runtime.heal.metadata import HEAL_METADATA_KEY, GroupHeal, HealConfig, HealResult
+from runtime.heal.metadata import GroupHeal, HealConfig, HealResult
 from runtime.heal.pair import HealPair
 from runtime.heal.streams import token_rows
 from runtime.heal.write import save_arrays

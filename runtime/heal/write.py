@@ -15,12 +15,13 @@ from passes.blocks import Block
 from passes.io.model_io import load_model, load_typed_proto, save_model
 from passes.io.sessions import open_session
 from passes.matching import strip_cast
+from passes.metadata import HEAL_METADATA_KEY
 from passes.model_map import find_blocks
 from passes.run.block_runner import BlockRunner
 from passes.run.cut import NameGraph, fill_stream_types, split_skip_norms, stream_names
 from passes.validate import contribution_error
 from runtime.heal.ffn import GroupWeights
-from runtime.heal.metadata import HEAL_METADATA_KEY, HealResult
+from runtime.heal.metadata import HealResult
 from runtime.heal.pair import HealPair
 from runtime.heal.parallel import ParallelFFNs, pack
 

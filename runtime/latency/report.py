@@ -72,10 +72,6 @@ def _series_rows(spec: PaperModel, hw: Hardware, before: Breakdown, **options) -
     return rows
 
 
-def constants_table() -> list[tuple[str, float, str, str]]:
-    return [(name, c.value, c.unit, c.source) for name, c in CONSTANTS.items()]
-
-
 def format_paper_report(rep: dict[str, dict]) -> str:
     """The readable table the tool prints by default."""
     first = next(iter(rep.values()))

@@ -22,7 +22,7 @@ from runtime.prune.model import PruneModel, load_checkpoint
 from runtime.prune.report import QualityRow, format_report, rows_record, score
 from runtime.prune.selection import check_layers, choose, format_layers, within_budget
 from runtime.prune.tradeoff import TradeoffPoint, format_tradeoff, measure_tradeoff, plot_tradeoff
-from runtime.text_sets import TextSet, calibration_windows, evaluation_sets, is_token_file
+from runtime.text_sets import calibration_windows, held_out_sets
 
 Log = Callable[[str], None]
 
@@ -86,13 +86,6 @@ class PruneResult:
         }
 
 
-def _held_out(model: PruneModel, options: PruneOptions) -> list[TextSet]:
-    files = list(options.heldout)
-    if is_token_file(files):
-        return evaluation_sets(model.config.vocab, options.window, options.eval_tokens, token_file=files[0])
-    return evaluation_sets(model.config.vocab, options.window, options.eval_tokens, text=files or None)
-
-
 def _calibration(model: PruneModel, options: PruneOptions, count: int) -> tuple[np.ndarray, str]:
     return calibration_windows(model.config.vocab, list(options.calib) or None, count, options.window)
 
@@ -138,20 +131,20 @@ def show_importance(source: Path, plot: Path | None, options: PruneOptions, log:
 
 def run_tradeoff(source: Path, counts: list[int], plot: Path | None, options: PruneOptions,
                  log: Log) -> list[TradeoffPoint]:
-    """Layers removed against held-out perplexity, surgery and distilled (--frontier)."""
+    """Layers removed against held-out perplexity, surgery and distilled (--tradeoff)."""
     if not counts or min(counts) < 1:
-        raise UserError("--frontier takes counts >= 1, e.g. 2,4,6,8")
+        raise UserError("--tradeoff takes counts >= 1, e.g. 2,4,6,8")
     model = load_checkpoint(source)
     if max(counts) >= len(model.attention_layers()):
-        raise UserError(f"--frontier {max(counts)}: the model has {len(model.attention_layers())} attention "
+        raise UserError(f"--tradeoff {max(counts)}: the model has {len(model.attention_layers())} attention "
                         "layers; keep at least one")
     calib, _ = _calibration(model, options, options.tokens)
-    held_out = _held_out(model, options)
+    held_out = held_out_sets(model.config.vocab, options.heldout, options.eval_tokens, options.window)
     importance = measure_importance(model, options, log)
     points = measure_tradeoff(model, importance, counts, options.runs, calib, held_out, options.ridge, log)
     log(format_tradeoff(points))
     if plot is not None:
-        plot_tradeoff(points, plot, f"attention pruning frontier, {source.name}")
+        plot_tradeoff(points, plot, f"attention pruning trade-off, {source.name}")
         log(f"wrote {plot}")
     return points
 
@@ -183,7 +176,9 @@ def prune_checkpoint(source: Path, out: Path | None, options: PruneOptions, log:
     if options.layers is not None:
         check_layers(model, options.layers)  # before any text is read or anything measured
     calib, calibration = _calibration(model, options, options.tokens)
-    held_out = _held_out(model, options) if options.eval_tokens > 0 else []
+    held_out = []
+    if options.eval_tokens > 0:
+        held_out = held_out_sets(model.config.vocab, options.heldout, options.eval_tokens, options.window)
     layers, importance = choose_layers(model, options, log)
     if plot is not None and importance:
         title = f"attention importance, {source.name} (removed: orange)"

@@ -2,7 +2,7 @@
 mean KL(unpruned || variant) per position, top-1 agreement, and where the model's tokenizer is known the
 accuracy of the offline lm-eval task license_mc (runtime.lm_tasks), scored in torch the way lm-eval's
 loglikelihood multiple choice scores it (the choice with the largest summed log-probability after the
-context and a space). The held-out text is runtime.text_sets.evaluation_sets, never calibrated on."""
+context and a space). The held-out text is runtime.text_sets.held_out_sets, never calibrated on."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 
 from runtime.lm_tasks import license_task
 from runtime.prune.model import PruneModel
-from runtime.text_sets import TextSet, tokenizer_for
+from runtime.text_sets import TextSet, model_tokenizer
 
 TASK_ITEMS = 100
 
@@ -70,7 +70,7 @@ def score(original: PruneModel, variants: dict[str, PruneModel], sets: Sequence[
 @torch.no_grad()
 def task_accuracy(models: dict[str, PruneModel], vocab: int, items: int) -> dict[str, float]:
     """license_mc accuracy of each model ({} when the vocabulary's tokenizer is unknown)."""
-    tokenizer = tokenizer_for(vocab)
+    tokenizer = model_tokenizer(None, vocab)
     if tokenizer is None or items <= 0:
         return {}
     with tempfile.TemporaryDirectory() as folder:

@@ -1,4 +1,4 @@
-"""The pruning trade-off (`prune_attention.py --frontier`): attention layers removed (chosen by
+"""The pruning trade-off (`prune_attention.py --tradeoff`): attention layers removed (chosen by
 importance, in runs) against held-out perplexity, by surgery alone and after local distillation; a table
 and a picture (docs/pruning.md)."""
 
@@ -60,10 +60,10 @@ def format_tradeoff(points: Sequence[TradeoffPoint]) -> str:
 
 
 def plot_tradeoff(points: Sequence[TradeoffPoint], path: Path, title: str) -> None:
-    import matplotlib
+    import matplotlib  # noqa: PLC0415 (matplotlib: ~0.5 s; only the plot needs it)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 (after matplotlib.use("Agg"); only the plot needs it)
 
     fig, ax = plt.subplots(figsize=(7, 4))
     xs = [p.removed for p in points]

@@ -8,7 +8,7 @@ MODEL may be
   or the folder's only .onnx file).
 
 The tokenizer is the folder's (tokenizer.json / tokenizer_config.json, through transformers), else
-SmolLM2's when the vocabulary is SmolLM2's (runtime.text_sets.tokenizer_for). End-of-sequence ids come from
+SmolLM2's when the vocabulary is SmolLM2's (runtime.text_sets.model_tokenizer). End-of-sequence ids come from
 generation_config.json, genai_config.json and the tokenizer; the context length from config.json
 (max_position_embeddings) or genai_config.json (context_length).
 """
@@ -26,6 +26,7 @@ from runtime.backends import Backend, OrtBackend, TrtBackend
 from runtime.generate import DecodeModel
 from runtime.serve.batch import Runner, runner_for
 from runtime.serve.tp_ranks import TpRanks
+from runtime.text_sets import is_tokenizer_folder, model_tokenizer
 
 BACKENDS = ("auto", "ort", "tensorrt", "tp")
 ENGINE_SUFFIXES = (".engine", ".plan")
@@ -121,7 +122,7 @@ def _onnx_in(folder: Path) -> Path | None:
 
 def _tp_folder(folder: Path) -> Path:
     """Tokenizer folder of a TP folder: itself when it has one, else the sharded source model's folder."""
-    if _has_tokenizer(folder):
+    if is_tokenizer_folder(folder):
         return folder
     source = json.loads((folder / TP_MANIFEST).read_text(encoding="utf-8")).get("source", "")
     return Path(source).parent if source else folder
@@ -218,24 +219,8 @@ def engine_limits(engine: Path) -> EngineLimits:
     )
 
 
-def _has_tokenizer(folder: Path) -> bool:
-    return (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file()
-
-
 def load_tokenizer(folder: Path, vocab: int | None) -> Any:
-    if _has_tokenizer(folder):
-        from transformers import AutoTokenizer, PreTrainedConfig
-
-        # A config.json naming the model's own code (auto_map: DeciLM / nemotron-nas) makes AutoTokenizer
-        # ask on stdin to run it, then fail on the bare config; the tokenizer never needs that code.
-        custom = {"config": PreTrainedConfig()} if "auto_map" in _read_json(folder / "config.json") else {}
-        try:
-            return AutoTokenizer.from_pretrained(str(folder), **custom)
-        except (OSError, ValueError) as exc:
-            raise UserError(f"cannot load the tokenizer in {folder}: {exc}") from None
-    from runtime.text_sets import tokenizer_for
-
-    tokenizer = tokenizer_for(vocab) if vocab else None
+    tokenizer = model_tokenizer(folder, vocab or None)
     if tokenizer is None:
         raise UserError(
             f"no tokenizer.json in {folder}, and the vocabulary ({vocab}) is not SmolLM2's: "

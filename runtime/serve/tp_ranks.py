@@ -100,7 +100,7 @@ def _rank_main(rank: int, settings: RankSettings, conn: Connection, beats: Any) 
     threading.Thread(target=_beat, args=(beats, rank), name="tp-heartbeat", daemon=True).start()
     if settings.comm == "nccl":  # before CUDA initializes: GPU `rank` is this process's device 0
         os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
-    import torch.distributed as dist
+    import torch.distributed as dist  # noqa: PLC0415 (torch only in the rank processes, after CUDA_VISIBLE_DEVICES is set)
 
     try:
         init_gloo(rank, settings.world, settings.port, settings.comm, settings.timeout_s)
@@ -368,8 +368,8 @@ class TpRanks:
 
 
 def _check_gpus(world: int) -> None:
-    import torch
-    import torch.distributed as dist
+    import torch  # noqa: PLC0415 (torch: seconds to import; only --tp-comm nccl's GPU check needs it here)
+    import torch.distributed as dist  # noqa: PLC0415 (torch: seconds to import; only --tp-comm nccl's GPU check needs it here)
 
     gpus = torch.cuda.device_count()
     if not dist.is_nccl_available() or gpus < world:

@@ -33,7 +33,7 @@ def init_gloo(
     rank: int, world: int, port: int, backend: str = "gloo", timeout_s: float | None = None
 ) -> None:
     """Join a process group on 127.0.0.1:port (gloo; "nccl" on GPUs); `timeout_s` bounds every collective."""
-    import torch.distributed as dist  # torch only in the processes that join a group
+    import torch.distributed as dist  # noqa: PLC0415 (torch only in the processes that join a group)
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(port)
@@ -45,7 +45,7 @@ def init_gloo(
 def torchrun_group(hint: str = "launch it with torchrun --nproc-per-node N") -> Iterator[tuple[int, int]]:
     """The gloo group of this torchrun launch, joined (unless already) and left on exit: (rank, world).
     Outside torchrun (RANK unset) a UserError ending in `hint`."""
-    import torch.distributed as dist  # torch only in the processes that join a group
+    import torch.distributed as dist  # noqa: PLC0415 (torch only in the processes that join a group)
 
     joined = not dist.is_initialized()
     if joined:

@@ -316,8 +316,8 @@ def run_simulated(
 def torch_collective(world_size: int, device: str | None = None) -> CollectiveFn:
     """Collectives through torch.distributed (the process group must be initialized); `device` "cuda"
     moves each tensor to this process's GPU first (NCCL reduces CUDA tensors only)."""
-    import torch  # torch only in the processes that join a group (the single-process paths never do)
-    import torch.distributed as dist
+    import torch  # noqa: PLC0415 (torch only in the processes that join a group; the single-process paths never do)
+    import torch.distributed as dist  # noqa: PLC0415 (torch only in the processes that join a group)
 
     def run(collective: Collective, array: np.ndarray) -> np.ndarray:
         if collective.nb_rank and collective.nb_rank != world_size:
@@ -342,7 +342,7 @@ def torch_collective(world_size: int, device: str | None = None) -> CollectiveFn
 def torchrun_rank(directory: str | Path, tp: int) -> tuple[int, int]:
     """(rank, world size) in the process group the caller joined (runtime.tp.gloo.torchrun_group),
     checked against the folder's rank count."""
-    import torch.distributed as dist  # as in torch_collective
+    import torch.distributed as dist  # noqa: PLC0415 (torch only in the processes that join a group)
 
     if not dist.is_initialized():
         raise UserError("no process group: join the torchrun launch first (runtime.tp.gloo.torchrun_group)")
@@ -355,7 +355,7 @@ def torchrun_rank(directory: str | Path, tp: int) -> tuple[int, int]:
 def run_distributed(directory: str | Path, tokens: np.ndarray, threads: int = 1) -> np.ndarray | None:
     """This process's rank of a torchrun launch (gloo, joined by the caller); the logits on rank 0, None
     elsewhere."""
-    import torch.distributed as dist  # as in torch_collective
+    import torch.distributed as dist  # noqa: PLC0415 (torch only in the processes that join a group)
 
     manifest = read_manifest(directory)
     files = rank_onnx_files(directory)
@@ -367,7 +367,7 @@ def run_distributed(directory: str | Path, tokens: np.ndarray, threads: int = 1)
 
 
 def _gloo_worker(rank: int, world: int, port: int, directory: str, tokens: np.ndarray, out: str) -> None:
-    import torch.distributed as dist  # as in torch_collective
+    import torch.distributed as dist  # noqa: PLC0415 (torch only in the processes that join a group)
 
     die_with_parent()
     init_gloo(rank, world, port)
@@ -384,7 +384,7 @@ def _gloo_worker(rank: int, world: int, port: int, directory: str, tokens: np.nd
 def run_gloo(directory: str | Path, tokens: np.ndarray) -> np.ndarray:
     """Every rank of a TP folder in its own process (torch.multiprocessing), all-reducing over gloo on
     127.0.0.1, as the server's ranks do; rank 0's first output."""
-    import torch.multiprocessing as mp  # torch only where ranks are launched
+    import torch.multiprocessing as mp  # noqa: PLC0415 (torch only where ranks are launched)
 
     world = int(read_manifest(directory)["tp"])
     with tempfile.TemporaryDirectory() as tmp:

@@ -114,10 +114,10 @@ def communicator_capsule(comm: Any) -> Any:
 
 def nccl_communicator(rank: int, world: int) -> Any:
     """nccl4py communicator over all ranks; the unique id travels from rank 0 via torch.distributed."""
-    import torch.distributed as dist  # torch and nccl4py: GPU ranks only, loaded when they run
+    import torch.distributed as dist  # noqa: PLC0415 (torch and nccl4py: GPU ranks only, loaded when they run)
 
     try:
-        import nccl.core as nccl
+        import nccl.core as nccl  # noqa: PLC0415 (nccl4py: optional, GPU ranks only)
     except ImportError as exc:
         raise UserError("the TensorRT backend needs nccl4py (`pip install nccl4py`)") from exc
     payload = [nccl.get_unique_id() if rank == 0 else None]
@@ -143,7 +143,7 @@ class TrtRank:
 
     def run(self, tokens: np.ndarray) -> dict[str, Any]:
         """Enqueue one forward on this rank's stream and wait for it; torch CUDA tensors out."""
-        import torch  # torch takes seconds to import: only GPU ranks need it
+        import torch  # noqa: PLC0415 (torch: seconds to import; only GPU ranks need it)
 
         if len(self.inputs) != 1:
             raise UserError(f"expected one engine input (input_ids), found {self.inputs}")
@@ -164,7 +164,7 @@ class TrtRank:
 
 
 def _torch_dtype(np_dtype: Any) -> Any:
-    import torch  # as in TrtRank.run
+    import torch  # noqa: PLC0415 (torch: seconds to import; only GPU ranks need it)
 
     return torch.from_numpy(np.zeros(1, dtype=np_dtype)).dtype
 
@@ -173,8 +173,8 @@ def run_distributed_trt(
     directory: str | Path, tokens: np.ndarray, engine_pattern: str | None = None, warmup: int = 0
 ) -> np.ndarray | None:
     """This process's rank of a torchrun launch on GPUs; returns float32 logits on rank 0."""
-    import torch  # as in TrtRank.run
-    import torch.distributed as dist
+    import torch  # noqa: PLC0415 (torch: seconds to import; only GPU ranks need it)
+    import torch.distributed as dist  # noqa: PLC0415 (torch: only GPU ranks need it)
 
     manifest = read_manifest(directory)
     engines = engine_paths(directory, engine_pattern)

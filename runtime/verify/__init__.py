@@ -20,11 +20,11 @@ from pathlib import Path
 
 from passes.errors import UserError
 from passes.io.model_io import load_model
-from passes.model_map import PLAN_METADATA_KEY
+from passes.metadata import DECODE_METADATA_KEY, HEAL_METADATA_KEY, PLAN_METADATA_KEY
 from passes.shard import MANIFEST
-from runtime.heal.metadata import HEAL_METADATA_KEY
 from runtime.verify.checkpoint import is_checkpoint, verify_checkpoint
 from runtime.verify.common import metadata
+from runtime.verify.decode import verify_decode
 from runtime.verify.fp8 import is_fp8, verify_fp8
 from runtime.verify.fused import verify_fused
 from runtime.verify.healed import verify_healed
@@ -35,7 +35,6 @@ from runtime.verify.tp import verify_tp
 __all__ = ["KINDS", "Check", "VerifyOptions", "VerifyReport", "artifact_kind", "verify_artifact"]
 
 KINDS = ("tp", "checkpoint", "fp8", "healed", "fused", "decode")
-DECODE_METADATA_KEY = "ffn_fusion.decode"  # exporters.decode.METADATA_KEY, without importing torch here
 
 
 def artifact_kind(artifact: Path) -> str:
@@ -87,9 +86,5 @@ def verify_artifact(
     elif kind == "fused":
         verify_fused(report)
     else:
-        from runtime.verify.decode import (
-            verify_decode,  # imports torch (exporters.decode): decode graphs only
-        )
-
         verify_decode(report, options)
     return report

@@ -42,9 +42,11 @@ from exporters.nas.layout import PROVENANCE_KEY
 from passes.blocks import Block
 from passes.error_measures import max_abs_relative_error
 from passes.io.model_io import load_model, save_model
-from passes.model_map import PLAN_METADATA_KEY, find_blocks
+from passes.metadata import recorded_plan
+from passes.model_map import find_blocks
 from passes.validate import default_tokens
-from runtime.verify.common import logits, metadata_json, round_through
+from runtime.verify.checkpoint_fp8 import verify_fp8_checkpoint
+from runtime.verify.common import logits, metadata, round_through
 from runtime.verify.options import VerifyOptions
 from runtime.verify.records import VerifyReport
 
@@ -84,8 +86,6 @@ def verify_checkpoint(report: VerifyReport, options: VerifyOptions) -> None:
     )
     report.plan = record.get("plan")
     if (folder / QUANT_CONFIG).is_file() or "quantization_config" in config:
-        from runtime.verify.checkpoint_fp8 import verify_fp8_checkpoint
-
         verify_fp8_checkpoint(report, config, source_layers, options)
         return
     with tempfile.TemporaryDirectory(prefix="ffn_fusion_verify.") as tmp:
@@ -130,10 +130,10 @@ def block_table(
             if a != b:
                 problem = f"layer {i}: attention {a[0]}, FFN {a[1]} of width {a[2]}; ORIGINAL's {b}"
                 break
-    recorded_plan = metadata_json(report.original, PLAN_METADATA_KEY)
+    fused_with = recorded_plan(metadata(report.original), source=str(report.original))
     plan = record.get("plan") or {}
-    if problem is None and recorded_plan is not None:
-        ours, theirs = plan.get("groups"), recorded_plan.get("groups")
+    if problem is None and fused_with is not None:
+        ours, theirs = plan.get("groups"), [list(g) for g in fused_with.groups]
         if ours != theirs:
             problem = f"config.json records the groups {ours}, ORIGINAL was fused with {theirs}"
     if problem is not None:

@@ -32,14 +32,13 @@ its norm from the group's last member (plan norm "last") or all ones ("fold").
 Memory: one tensor (a band of rows of it for float8 weights) at a time for the tensor checks and the
 dequantized copy; the re-import's and a float reference's logits run block by block above
 block_runner.STREAMING_BYTES (common.logits); the per-channel reference is the FP8 ONNX with its weights'
-DequantizeLinear folded into float initializers (written band by band), a float graph that streams too, and
-ORIGINAL as it runs streams by its blocks (runtime/verify/fp8.py). Disk:
-the dequantized copy, its re-import and the reference, float32, in the system's temporary folder.
+DequantizeLinear folded into float initializers (written band by band; passes/quant/dequantize.py), a float
+graph that streams too, and ORIGINAL as it runs streams by its blocks (runtime/verify/fp8.py). Disk: the
+dequantized copy, its re-import and the reference, float32, in the system's temporary folder.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 import tempfile
@@ -56,9 +55,11 @@ from exporters.nas.safetensors_out import OutTensor, band_rows, copied, write_ba
 from passes.error_measures import l2_relative_error, max_abs_relative_error
 from passes.errors import UserError
 from passes.io.model_io import load_model, save_model, weight_bytes
-from passes.model_map import PLAN_METADATA_KEY, find_blocks
+from passes.metadata import PLAN_METADATA_KEY
+from passes.model_map import find_blocks
 from passes.patterns.linear import FloatWeight, find_linears
 from passes.quant.calibrate import FP8_MAX
+from passes.quant.dequantize import FoldWeightDequantization, StripActivationQuantization
 from passes.quant.fp8 import BandedTensor, weight_bands
 from passes.run import block_runner
 from passes.validate import default_tokens
@@ -322,44 +323,6 @@ def _quantized(tensor: ir.TensorProtocol, scale: np.float32) -> ir.LazyTensor:
     return BandedTensor(tensor.name, tensor.dtype, tensor.shape, bands)
 
 
-def fold_weight_dequantization(model: ir.Model) -> int:
-    """Replace each DequantizeLinear of a float8 [in, out] initializer (per-tensor scale, or per output
-    channel on axis 1: the FP8 pass's forms) by a float initializer of its values (float8 x scale, what
-    DequantizeLinear computes, in the scale's dtype), written band by band: the graph becomes a float graph
-    the block walk reads, so its logits stream above STREAMING_BYTES. Returns the weights folded."""
-    folded = 0
-    for node in list(model.graph):
-        if node.op_type != "DequantizeLinear" or len(node.inputs) < 2 or node.inputs[1] is None:
-            continue
-        q, scale = node.inputs[0], node.inputs[1]
-        if q is None or q.dtype != ir.DataType.FLOAT8E4M3FN or None in (q.const_value, scale.const_value):
-            continue
-        factor = scale.const_value.numpy()
-        axis = node.attributes.get_int("axis", 1)
-        if len(q.shape) != 2 or not (factor.size == 1 or (factor.ndim == 1 and axis in (1, -1))):
-            continue
-        dtype, name = scale.const_value.dtype, f"{q.name}_dequantized"
-        bands = functools.partial(_dequantized_bands, q.const_value, factor.reshape(1, -1), dtype)
-        value = ir.Value(name=name, type=ir.TensorType(dtype), shape=ir.Shape(q.shape))
-        value.const_value = BandedTensor(name, dtype, ir.Shape(q.shape), bands)
-        model.graph.register_initializer(value)
-        ir.convenience.replace_all_uses_with(node.outputs[0], value)
-        model.graph.remove(node, safe=True)
-        folded += 1
-    for value in list(model.graph.initializers.values()):  # float8 weights and zero points nothing reads now
-        if value.dtype == ir.DataType.FLOAT8E4M3FN and not value.uses():
-            model.graph.initializers.pop(value.name)
-    return folded
-
-
-def _dequantized_bands(
-    tensor: ir.TensorProtocol, factor: np.ndarray, dtype: ir.DataType
-) -> Iterator[np.ndarray]:
-    """float8 rows x their scale, a band of rows at a time."""
-    for band in weight_bands(tensor, False, stored=True):
-        yield (band * factor).astype(dtype.numpy())
-
-
 def _reference_and_as_run(
     report: VerifyReport, reference: Path, tokens: np.ndarray, per_tensor: bool
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -373,24 +336,6 @@ def _reference_and_as_run(
         if streamed is not None:
             return streamed
     return logits(reference, tokens), logits(report.original, tokens)
-
-
-def strip_activation_quantization(model: ir.Model) -> int:
-    """Remove every QuantizeLinear -> DequantizeLinear pair on an activation (the FP8 pass's input
-    quantization): the DequantizeLinear's readers read the QuantizeLinear's input. Returns the pairs removed;
-    the float8 weights' DequantizeLinear (of an initializer) stay."""
-    pairs = []
-    for node in model.graph:
-        if node.op_type != "DequantizeLinear" or node.inputs[0] is None:
-            continue
-        producer = node.inputs[0].producer()
-        if producer is not None and producer.op_type == "QuantizeLinear":
-            pairs.append((producer, node))
-    for quant, dequant in pairs:
-        ir.convenience.replace_all_uses_with(dequant.outputs[0], quant.inputs[0])
-        alone = all(user is dequant for user, _ in quant.outputs[0].uses())
-        model.graph.remove([dequant, quant] if alone else [dequant], safe=True)
-    return len(pairs)
 
 
 def _logits(
@@ -418,9 +363,10 @@ def _logits(
                 initializers[name].const_value = _quantized(initializers[name].const_value, scale)
             what = "ORIGINAL with its weights quantized per tensor as the checkpoint's"
         else:
-            pairs = strip_activation_quantization(reference)
-            fold_weight_dequantization(reference)  # a float graph: its logits stream like any other's
-            what = f"ORIGINAL without its {pairs} activation quantizations"
+            strip = StripActivationQuantization()
+            # then a float graph holding the FP8 weights: its logits stream like any other's
+            ir.passes.PassManager([strip, FoldWeightDequantization()])(reference)
+            what = f"ORIGINAL without its {strip.removed} activation quantizations"
         if rounded:
             what += f", {len(rounded)} float tensors rounded as the checkpoint's"
         reference_path = Path(tmp) / "reference" / "model.onnx"

@@ -11,10 +11,10 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from exporters.decode_spec import METADATA_KEY
 from passes.error_measures import max_abs_relative_error
 from passes.graph_inputs import Signature
 from passes.io.model_io import load_model, load_proto, weight_bytes
+from passes.metadata import DECODE_METADATA_KEY
 from passes.model_map import find_blocks, vocab_size
 from passes.run import block_runner
 from passes.run.decode_stream import DecodeCall, DecodeStreamer
@@ -50,7 +50,7 @@ def whole_logits(model: DecodeModel, calls: list[DecodeCall]) -> list[np.ndarray
 
 
 def verify_decode(report: VerifyReport, options: VerifyOptions) -> None:
-    described = metadata_json(report.artifact, METADATA_KEY) or {}
+    described = metadata_json(report.artifact, DECODE_METADATA_KEY) or {}
     vocab = vocab_size(find_blocks(load_model(report.original)))
     length = max(options.seq, 2)
     half = length // 2

@@ -4,7 +4,8 @@ source's, and the logits are within `max_error` of the source's. The weights are
 the pass wrote them, so memory stays near one band of rows. Above block_runner.STREAMING_BYTES of weights both
 graphs' logits run block by block (streamed_logits), the FP8 graph cut between its source's stream names, and
 a block above LARGE_FFN_BYTES of FFN weights (a fused group's) from its rows on both sides: the FP8 graph's
-by passes/reference.py on FP8Weights that model its Q/DQ (_fp8_from_rows)."""
+by passes/reference.py on FP8Weights that model its Q/DQ (_fp8_from_rows; the records of
+passes/patterns/fp8.py, which recognizes the pass's form). Graph work is the passes'; this module compares."""
 
 from __future__ import annotations
 
@@ -17,14 +18,14 @@ from passes.blocks import Block
 from passes.error_measures import cosine, l2_relative_error
 from passes.errors import UserError
 from passes.io.model_io import load_model, load_proto, weight_bytes
-from passes.matching import NoMatch, attr, graph_values, producer, strip_cast
+from passes.matching import NoMatch, graph_values, strip_cast
 from passes.model_map import find_blocks
+from passes.patterns.fp8 import match_fp8_swiglu, quantized_weights
 from passes.patterns.linear import FloatWeight, find_linears
-from passes.patterns.swiglu import SwiGLU, Weight
 
-# The pass's own band reader, scale rule and rounding: the check recomputes exactly what it wrote.
-from passes.quant.fp8 import channel_scales, to_fp8, weight_bands
-from passes.reference import FP8SwiGLU, FP8Weight, ffn, ffn_weight_bytes, rms_normalize
+# The pass's own band reader, scale rule, rounding and naming: the check recomputes exactly what it wrote.
+from passes.quant.fp8 import channel_scales, source_weight_name, to_fp8, weight_bands
+from passes.reference import ffn, ffn_weight_bytes, rms_normalize
 from passes.run import block_runner
 from passes.run.block_runner import BlockRunner
 from passes.validate import default_tokens
@@ -39,33 +40,13 @@ def is_fp8(model: ir.Model) -> bool:
     return any(v.dtype == FP8 for v in model.graph.initializers.values())
 
 
-def _quantized_weights(model: ir.Model) -> list[tuple[ir.Value, ir.Value]]:
-    """(float8 weight, its scale) of every DequantizeLinear of a float8 initializer."""
-    found, seen = [], set()
-    for node in model.graph:
-        if node.op_type != "DequantizeLinear" or len(node.inputs) < 2:
-            continue
-        q, scale = node.inputs[0], node.inputs[1]
-        if q is None or scale is None or q.dtype != FP8 or q.const_value is None or q.name in seen:
-            continue
-        seen.add(q.name)
-        found.append((q, scale))
-    return found
-
-
-def _source_name(fp8_name: str) -> str:
-    """The pass names a weight's float8 tensor `<source>_fp8` (`_fp8_<k>` on a name clash)."""
-    base, _, tail = fp8_name.rpartition("_fp8")
-    return base if tail == "" or tail.lstrip("_").isdigit() else fp8_name
-
-
 def verify_fp8(report: VerifyReport, options: VerifyOptions) -> None:
     source, artifact = load_model(report.original), load_model(report.artifact)
     weights = {lin.weight.value.name: lin.weight for lin in find_linears(source.graph)}
-    quantized = _quantized_weights(artifact)
+    quantized = quantized_weights(artifact.graph)
     scale_bad, weight_bad, unknown = [], [], []
     for q, scale in quantized:
-        weight = weights.get(_source_name(q.name))
+        weight = weights.get(source_weight_name(q.name))
         if weight is None or scale.const_value is None:
             unknown.append(q.name)
             continue
@@ -209,11 +190,12 @@ def _fp8_from_rows(report: VerifyReport, blocks: list[Block]) -> dict[int, RowBl
 
 def _fp8_block(values: dict[str, ir.Value], block: Block) -> RowBlock:
     """The FP8 graph's block output from the stream after its attention part; NoMatch when the FP8 graph's
-    FFN of `block` (the source's record, matched by its names) is not what passes/quant/fp8.py writes."""
+    FFN of `block` (the source's record, matched by its names) is not what passes/quant/fp8.py writes
+    (passes/patterns/fp8.py)."""
     assert block.ffn is not None and block.norm is not None  # a SwiGLU FFN part has both
     if block.ffn_input.name not in values:
         raise NoMatch(f"no stream {block.ffn_input.name!r}")
-    fp8_ffn = _fp8_swiglu(values, block.ffn)
+    fp8_ffn = match_fp8_swiglu(values.get(block.ffn.output.name), block.ffn)
     weight = None
     if block.norm.weight is not None:  # the FP8 graph's own norm weight (unquantized; compared elsewhere)
         value = values.get(block.norm.weight.name)
@@ -229,92 +211,6 @@ def _fp8_block(values: dict[str, ir.Value], block: Block) -> RowBlock:
         return x + ffn(z if weight is None else z * weight, fp8_ffn)
 
     return evaluate
-
-
-def _fp8_swiglu(values: dict[str, ir.Value], swiglu: SwiGLU) -> FP8SwiGLU:
-    """down(silu(z @ gate) * (z @ up)) of the FP8 graph, each MatMul reading DQ(Q(x)) and DQ(W8) with W8
-    `<source>_fp8`, z the source's normalized stream; NoMatch naming what differs."""
-    hidden, down = _projection("down projection", values.get(swiglu.output.name), swiglu.down)
-    mul = producer(hidden, "Mul")
-    for i in (0, 1):
-        gate_out, up_out = mul.inputs[i], mul.inputs[1 - i]
-        silu = gate_out.producer() if gate_out is not None else None
-        if silu is None or silu.op_type != "Mul":
-            continue
-        g = next((v for j, v in enumerate(silu.inputs) if _is_sigmoid_of(silu.inputs[1 - j], v)), None)
-        if g is not None:
-            break
-    else:
-        raise NoMatch("no silu(gate) * up before the down projection")
-    z, gate = _projection("gate projection", g, swiglu.gate)
-    z_up, up = _projection("up projection", up_out, swiglu.up)
-    if z is not z_up or z.name != swiglu.input.name:
-        raise NoMatch(f"gate and up do not both quantize the normalized stream {swiglu.input.name!r}")
-    return FP8SwiGLU(gate, up, down)
-
-
-def _is_sigmoid_of(value: ir.Value | None, x: ir.Value | None) -> bool:
-    node = value.producer() if value is not None else None
-    return node is not None and node.op_type == "Sigmoid" and x is not None and node.inputs[0] is x
-
-
-def _projection(role: str, value: ir.Value | None, weight: Weight) -> tuple[ir.Value, FP8Weight]:
-    """The MatMul behind `value` (a gate or up half: through the unchanged Split/Slice of a gate_up weight)
-    as _quantized reads it; NoMatch saying which `role` differs and how."""
-    try:
-        if weight.columns is not None:
-            value = producer(value, "Split", "Slice").inputs[0]
-        return _quantized(producer(value, "MatMul"), weight)
-    except NoMatch as exc:
-        raise NoMatch(f"{role}: {exc}") from None
-
-
-def _quantized(matmul: ir.Node, source: Weight) -> tuple[ir.Value, FP8Weight]:
-    """(x, the FP8Weight) of MatMul(DQ(Q(x)), DQ(W8, scale)) as the pass writes it, W8 quantized from
-    `source`: a per-tensor float8 activation Q/DQ (one scale, zero point 0, saturating) and W8 a float8
-    [in, out] initializer with per-output-channel (axis 1) or per-tensor scales."""
-    a, b = matmul.inputs[0], matmul.inputs[1]
-    dq = producer(a, "DequantizeLinear")
-    q = producer(dq.inputs[0], "QuantizeLinear")
-    act_scale, dq_scale = (_constant(n.inputs[1] if len(n.inputs) > 1 else None) for n in (q, dq))
-    if act_scale is None or act_scale.size != 1 or dq_scale is None or dq_scale.size != 1:
-        raise NoMatch("its input's Q/DQ has no constant per-tensor scale")
-    if act_scale.item() != dq_scale.item() or not (_fp8_zero(q) and _fp8_zero(dq)):
-        raise NoMatch("its input's Q/DQ is not one float8 pair (same scale, zero point 0)")
-    if int(attr(q, "saturate", 1)) != 1:
-        raise NoMatch("its input's QuantizeLinear does not saturate")
-    wdq = producer(b, "DequantizeLinear")
-    w8 = wdq.inputs[0]
-    if w8 is None or w8.dtype != FP8 or w8.const_value is None or len(w8.const_value.shape) != 2:
-        raise NoMatch("its weight is not a 2-D float8 initializer")
-    if _source_name(w8.name) != source.source.name:
-        raise NoMatch(f"it reads {w8.name!r}, not the float8 form of {source.source.name!r}")
-    stored = tuple(int(d) for d in source.source.const_value.shape)
-    if tuple(int(d) for d in w8.const_value.shape) != (stored[::-1] if source.transposed else stored):
-        raise NoMatch(f"{w8.name!r} has another shape than {source.source.name!r}")
-    scale = _constant(wdq.inputs[1] if len(wdq.inputs) > 1 else None)
-    per_channel = scale is not None and scale.size == int(w8.const_value.shape[1]) and scale.ndim == 1
-    if scale is None or not (scale.size == 1 or (per_channel and int(attr(wdq, "axis", 1)) == 1)):
-        raise NoMatch(f"{w8.name!r}: its scale is neither per output channel (axis 1) nor per tensor")
-    if len(wdq.inputs) > 2 and wdq.inputs[2] is not None and not _fp8_zero(wdq):
-        raise NoMatch(f"{w8.name!r}: a zero point other than 0")
-    weight = Weight(w8, transposed=False, columns=source.columns)
-    return q.inputs[0], FP8Weight(weight, scale.astype(np.float64).reshape(-1), float(act_scale.item()))
-
-
-def _constant(value: ir.Value | None) -> np.ndarray | None:
-    return value.const_value.numpy() if value is not None and value.const_value is not None else None
-
-
-def _fp8_zero(node: ir.Node) -> bool:
-    """A Q/DQ node's zero point is a float8e4m3fn zero (the pass writes one: it also types Q's output)."""
-    zero = node.inputs[2] if len(node.inputs) > 2 else None
-    return (
-        zero is not None
-        and zero.dtype == FP8
-        and zero.const_value is not None
-        and not np.any(zero.const_value.numpy().astype(np.float32))
-    )
 
 
 def _check_scale(weight: FloatWeight, scale: ir.Value) -> str | None:

@@ -14,17 +14,18 @@ import numpy as np
 
 from passes.blocks import Block
 from passes.errors import UserError
-from passes.fuse import ffn_members
 from passes.graph_inputs import Signature
 from passes.io.model_io import load_model, load_proto, weight_bytes
+from passes.metadata import HEAL_METADATA_KEY
 from passes.model_map import find_blocks, vocab_size
 from passes.plan import Plan
+from passes.reference import group_ffns
 from passes.run import block_runner
 from passes.run.block_runner import BlockRunner
 from passes.validate import check_structure, plan_from_metadata
 from runtime.evaluate import evaluate, kl_total
-from runtime.heal.metadata import HEAL_METADATA_KEY, TENSOR_HASHES_KEY
-from runtime.text_sets import TextSet, evaluation_sets, is_token_file
+from runtime.heal.metadata import TENSOR_HASHES_KEY
+from runtime.text_sets import TextSet, held_out_sets
 from runtime.verify.common import half_view, metadata_json, release, same_initializers, tensor_sha256
 from runtime.verify.fused import fused_group_blocks, group_tensors
 from runtime.verify.options import VerifyOptions
@@ -76,7 +77,7 @@ def _structure(
         return False
     fused = fused_group_blocks(plan, healed_blocks)
     for (first, last), block in zip(plan.groups, fused, strict=True):
-        want = sum(b.width for b in ffn_members(original_blocks, (first, last)))
+        want = sum(b.width for b in group_ffns(original_blocks, (first, last)))
         if block.width != want:
             report.add(
                 "structure", False, f"group [{first}, {last}] has width {block.width}, the plan gives {want}"
@@ -135,11 +136,8 @@ def _hashes(report: VerifyReport, model, hashes: dict[str, str]) -> None:
 
 
 def _quality(report: VerifyReport, options: VerifyOptions, vocab: int, stream: bool) -> None:
-    files = list(options.text)
-    if is_token_file(files):  # token ids, as heal.py --heldout takes them (no tokenizer needed)
-        texts = evaluation_sets(vocab, options.window, options.eval_tokens, token_file=files[0])
-    else:
-        texts = evaluation_sets(vocab, options.window, options.eval_tokens, text=files or None)
+    # text files, or one .npy of token ids as heal.py --heldout takes them (no tokenizer needed)
+    texts = held_out_sets(vocab, options.text, options.eval_tokens, options.window)
     streamed = _streamed_quality(report, texts) if stream else None
     if streamed is not None:
         (kl, top1, tokens), how = streamed, "; block by block"

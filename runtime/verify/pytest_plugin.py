@@ -21,9 +21,9 @@ import pytest
 def verify_artifact() -> Callable[..., object]:
     # Imported here, not at plugin load: every pytest run in an environment with this package installed loads
     # the plugin, and runtime.verify brings ONNX Runtime and the project's passes.
-    from passes.errors import UserError
-    from runtime.verify import VerifyOptions
-    from runtime.verify import verify_artifact as verify
+    from passes.errors import UserError  # noqa: PLC0415 (not at plugin load: see above)
+    from runtime.verify import VerifyOptions  # noqa: PLC0415 (not at plugin load: see above)
+    from runtime.verify import verify_artifact as verify  # noqa: PLC0415 (not at plugin load: see above)
 
     fields = {f.name for f in dataclasses.fields(VerifyOptions)}
 

@@ -64,10 +64,10 @@ def expected_attention() -> list[bool]:
 def torch_logits(hf: Path, ids: np.ndarray, groups=(), mode: str = "last") -> np.ndarray:
     """Logits of the folder's model in torch, each group [i, j] replaced by its parallel sum
     x + sum_k mlp_k(norm(x)) (tests/torch_reference.py): independent of the ONNX rewrite."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    import torch  # noqa: PLC0415 (torch: seconds to import; only the corpus reference needs it)
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415 (transformers: seconds to import; only the corpus reference needs it)
 
-    from tests.torch_reference import parallel_model
+    from tests.torch_reference import parallel_model  # noqa: PLC0415 (imports torch: only the corpus reference needs it)
 
     model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
     parallel_model(model, groups, mode)

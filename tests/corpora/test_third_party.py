@@ -16,18 +16,23 @@ from functools import cache
 from pathlib import Path
 
 import numpy as np
-import onnx
-import onnxruntime as ort
+import onnxruntime_genai as og
 import pytest
 
 from exporters.tensorrt.build import onnx_sha256
+from passes.error_measures import l2_relative_error
 from passes.graph_inputs import Signature
 from passes.io.data_files import data_file_names
+from passes.io.model_io import load_model, save_model
 from passes.io.sessions import open_session
+from passes.quant.calibrate import calibrate
+from passes.quant.fp8 import quantize_fp8
+from runtime.deploy import with_side_inputs
 from runtime.generate import DecodeModel, greedy_generate
 from tests.conftest import ROOT, run_tool
 from tests.corpora.fixtures import GROUPS, expected_attention, torch_logits
 from tests.corpora.third_party import ENTRIES
+from tests.run_graph import graph_logits
 
 pytestmark = pytest.mark.slow
 # Batch 1: torch.onnx's opset-23 export writes RotaryEmbedding with cos/sin caches of batch 1, and ONNX
@@ -40,16 +45,6 @@ BATCH_1_ONLY = ("dynamo-23",)
 def modes(name: str) -> list[str]:
     # int4 MatMulNBits weights cannot take folded norm rows exactly: the fuse pass refuses "fold" there.
     return ["last"] if name == INT4 else ["last", "fold"]
-
-
-def ort_logits(path: Path, ids: np.ndarray = IDS) -> np.ndarray:
-    signature = Signature.of(onnx.load(str(path), load_external_data=False))
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    return session.run([signature.logits.name], signature.feeds(ids))[0]
-
-
-def rel(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 @cache
@@ -89,7 +84,7 @@ def test_show_blocks(tool, third_party_corpus, name):
 def test_unfused_entry_is_the_torch_model(third_party_corpus, corpus_hf, name):
     """The corpus itself is right: each export (attention dropped) computes the HF folder's logits."""
     bound = 0.3 if name == INT4 else 1e-4  # int4 weights: quantization error, not a bug
-    assert rel(ort_logits(third_party_corpus[name]), reference(corpus_hf, None)) < bound
+    assert l2_relative_error(graph_logits(third_party_corpus[name], IDS), reference(corpus_hf, None)) < bound
 
 
 @pytest.mark.parametrize("name,mode", [(n, m) for n in ENTRIES for m in modes(n)])
@@ -98,12 +93,12 @@ def test_fuse_validates_and_matches_torch(fused, third_party_corpus, corpus_hf, 
     assert "blocks: 30 -> 23" in stdout
     checks = [line for line in stdout.splitlines() if "vs parallel-sum reference" in line]
     assert len(checks) == 2 and all(line.endswith("ok") for line in checks), stdout
-    logits = ort_logits(path)
+    logits = graph_logits(path, IDS)
     if name == INT4:  # the torch reference has the fp32 weights; int4 is exact against its own (validation)
-        assert rel(logits, ort_logits(third_party_corpus[name])) < 0.5
+        assert l2_relative_error(logits, graph_logits(third_party_corpus[name], IDS)) < 0.5
         return
-    assert rel(logits, reference(corpus_hf, mode)) < 1e-4
-    assert rel(logits, reference(corpus_hf, None)) > 1e-3  # fusion changed the function
+    assert l2_relative_error(logits, reference(corpus_hf, mode)) < 1e-4
+    assert l2_relative_error(logits, reference(corpus_hf, None)) > 1e-3  # fusion changed the function
 
 
 def test_int4_refuses_fold_in_one_line(tool, third_party_corpus, tmp_path):
@@ -136,7 +131,7 @@ def test_fused_weights_in_several_data_files(tool, fused, third_party_corpus, tm
     tool("fuse_onnx", third_party_corpus[name], plan, "-o", out, "--max-data-file-gb", "0.1", check=True)
     names = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("model.fused.onnx."))
     assert len(names) > 4 and names == data_file_names(out.name, len(names)), names
-    np.testing.assert_array_equal(ort_logits(out), ort_logits(one_file))
+    np.testing.assert_array_equal(graph_logits(out, IDS), graph_logits(one_file, IDS))
     result = tool("fuse_onnx", "--verify", third_party_corpus[name], out)
     assert result.returncode == 0 and result.stdout.strip().endswith("verified"), result.stderr
 
@@ -191,7 +186,7 @@ def tool_main(name: str):
 
 @cache
 def hf_tokenizer(hf: Path):
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # noqa: PLC0415 (transformers: seconds to import; only these tests need it)
 
     return AutoTokenizer.from_pretrained(hf)
 
@@ -200,10 +195,10 @@ def hf_tokenizer(hf: Path):
 def torch_greedy(hf: Path, prompt: tuple[int, ...], fused: bool) -> list[int]:
     """Greedy tokens of the folder's model: transformers' generate; fused, GROUPS' parallel sums in torch
     (tests/torch_reference.py) recomputed over the whole sequence each step."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    import torch  # noqa: PLC0415 (torch: seconds to import; only the torch reference needs it)
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415 (transformers: seconds to import; only the torch reference needs it)
 
-    from tests.torch_reference import parallel_model
+    from tests.torch_reference import parallel_model  # noqa: PLC0415 (imports torch: only the torch reference needs it)
 
     model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
     ids = torch.tensor([prompt])
@@ -219,7 +214,7 @@ def torch_greedy(hf: Path, prompt: tuple[int, ...], fused: bool) -> list[int]:
 
 def teacher_forced(path: Path, prompt: list[int], tokens: list[int]) -> list[int]:
     """The argmax at each generated position of one whole-sequence run of the graph (no cache)."""
-    logits = ort_logits(path, np.array([prompt + tokens[:-1]]))
+    logits = graph_logits(path, np.array([prompt + tokens[:-1]]))
     return logits[0, len(prompt) - 1 :].argmax(-1).tolist()
 
 
@@ -254,8 +249,6 @@ def test_generate(fused, third_party_corpus, corpus_hf, monkeypatch, capsys, nam
 def test_genai_runtime_runs_the_genai_folders(fused, third_party_corpus, corpus_hf, tmp_path):
     """ONNX Runtime GenAI's own generator on the GenAI fp32 folder (KV caches only for the 20 layers with
     attention, at non-sequential indices) and on the fused graph in a copy of that folder."""
-    import onnxruntime_genai as og
-
     prompt = list(hf_tokenizer(corpus_hf)(PROMPT)["input_ids"])
 
     def generate(folder: Path) -> list[int]:
@@ -329,7 +322,7 @@ def assert_fp8_close(fp8: Path, fp32: Path, hf: Path) -> None:
     """On held-out text (tokens 200-231; random ids land outside the calibrated ranges: 0.146 on GenAI)."""
     held_out = text_ids(hf)[:, 200:232]
     got, reference = fp8_logits(fp8, held_out), fp8_logits(fp32, held_out)
-    error = rel(got, reference)
+    error = l2_relative_error(got, reference)
     cosine = float(got.ravel() @ reference.ravel() / (np.linalg.norm(got) * np.linalg.norm(reference)))
     assert 0 < error < FP8_BOUNDS[0] and cosine > FP8_BOUNDS[1], (error, cosine)
 
@@ -376,11 +369,6 @@ def test_fp8_engine_refused_in_one_line(tool, fused, corpus_hf, tmp_path, name):
     assert not out.exists() or not any(out.iterdir())  # refused before calibrating: nothing written
     assert all(line.startswith("[build_engines] ") for line in result.stderr.strip().splitlines()[:-1])
     if name != INT4:  # FP8 itself works there (in ONNX Runtime); only TensorRT cannot take the graph
-        from passes.io.model_io import load_model, save_model
-        from passes.quant.calibrate import calibrate
-        from passes.quant.fp8 import quantize_fp8
-        from runtime.deploy import with_side_inputs
-
         batches = with_side_inputs([np.load(calibration_ids(corpus_hf, tmp_path))], path)
         scales = calibrate(path, batches, progress=False)
         model = load_model(path)

@@ -22,7 +22,7 @@ builder wrote it (30 layers): onnxruntime-genai >= 0.18 finds the cache layers b
 non-sequential indices too (tests/corpora/test_third_party.py runs its generator on the folder).
 
 Optimum needs transformers < 4.58 (docs/design.md §5): it runs from its own venv, `.venv-optimum` beside the
-project (`make optimum-venv`, which `make test` depends on; `ensure_optimum_venv` creates it on demand).
+project (`make optimum-venv` ahead of time, or `ensure_optimum_venv` during the corpus build).
 
 Cache: `corpus_dir()` = $FFN_FUSION_CORPUS, else ~/.cache/ffn-fusion/corpus-v<CORPUS_VERSION>; every
 entry is <dir>/<name>/model.onnx (+ model.onnx.data), written through a staging folder so a half-built
@@ -46,10 +46,12 @@ from pathlib import Path
 
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
+from onnxruntime.transformers import optimizer
 
 from passes.errors import UserError
 from passes.io.model_io import load_model, save_model
-from passes.model_map import AttentionBlock, build_model_map
+from passes.model_map import AttentionBranch, build_model_map
+from passes.patterns.attention import branch_nodes
 
 CORPUS_VERSION = "1"  # bump when an entry's recipe changes: the cache key
 ROOT = Path(__file__).resolve().parents[2]
@@ -131,8 +133,6 @@ def export_genai(hf: Path, out: Path, precision: str) -> Path:
 def optimize_ort(source: Path, out: Path) -> Path:
     """onnxruntime.transformers.optimizer, offline (opt_level 0): fuses RMSNorm into
     SimplifiedLayerNormalization and residual add + RMSNorm into SkipSimplifiedLayerNormalization."""
-    from onnxruntime.transformers import optimizer
-
     model = optimizer.optimize_model(str(source), model_type="gpt2", num_heads=9, hidden_size=576,
                                      opt_level=0, use_gpu=False)
     out.mkdir(parents=True, exist_ok=True)
@@ -143,11 +143,11 @@ def optimize_ort(source: Path, out: Path) -> Path:
 
 def export_dynamo(hf: Path, out: Path, opset: int, dropped: Sequence[int]) -> Path:
     """torch.onnx dynamo export of the folder's model with attention removed in the model itself."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    import torch  # noqa: PLC0415 (torch: seconds to import; only the dynamo export needs it)
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415 (transformers: seconds to import; only the dynamo export needs it)
 
-    from exporters.onnx_export import export_onnx
-    from exporters.smollm2 import remove_attention
+    from exporters.onnx_export import export_onnx  # noqa: PLC0415 (imports torch: only the dynamo export needs it)
+    from exporters.smollm2 import remove_attention  # noqa: PLC0415 (imports transformers: only the dynamo export needs it)
 
     model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
     remove_attention(model, dropped)
@@ -179,9 +179,7 @@ def drop_attention(source: Path, target: Path, blocks: Sequence[int]) -> Path:
     return target
 
 
-def _bypass(graph: ir.Graph, attention: AttentionBlock) -> None:
-    from passes.patterns.attention import branch_nodes
-
+def _bypass(graph: ir.Graph, attention: AttentionBranch) -> None:
     body = branch_nodes(attention.output, attention.start)
     residual = attention.residual
     node = residual.node
@@ -222,14 +220,12 @@ def _build(folder: Path, missing: list[str], log: Log) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     hf = folder / "hf"
     if not (hf / "config.json").exists():
-        from exporters.hf.folder import save_smollm2
+        from exporters.hf.folder import save_smollm2  # noqa: PLC0415 (torch and transformers: only when the folder is built)
 
         _timed(log, "hf folder", lambda: save_smollm2(_fresh(folder / "hf.partial"), DROPPED))
         (folder / "hf.partial").rename(hf)
     optimum_lane = [n for n in missing if n in OPTIMUM_LANE]
     main_lane = [n for n in missing if n not in OPTIMUM_LANE and n != "ort-optimizer"]
-    if optimum_lane:
-        ensure_optimum_venv(log)
     with ThreadPoolExecutor(2) as pool:  # the two venvs' exports side by side (2 cores)
         jobs = [pool.submit(_lane, folder, hf, lane, log) for lane in (optimum_lane, main_lane) if lane]
         for job in jobs:
@@ -239,6 +235,8 @@ def _build(folder: Path, missing: list[str], log: Log) -> None:
 
 
 def _lane(folder: Path, hf: Path, names: list[str], log: Log) -> None:
+    if any(name in OPTIMUM_LANE for name in names):
+        ensure_optimum_venv(log)  # while the other lane exports
     for name in names:
         _entry(folder, hf, name, log)
 

@@ -15,13 +15,12 @@ import sys
 from pathlib import Path
 
 import torch
+import transformers.masking_utils as masking
+from optimum.exporters.onnx.model_patcher import eager_mask_without_vmap, sdpa_mask_without_vmap
+from transformers import AutoModelForCausalLM
 
 
 def export(folder: str, out: str, opset: int) -> None:
-    import transformers.masking_utils as masking
-    from optimum.exporters.onnx.model_patcher import eager_mask_without_vmap, sdpa_mask_without_vmap
-    from transformers import AutoModelForCausalLM
-
     masking.ALL_MASK_ATTENTION_FUNCTIONS.register("sdpa", sdpa_mask_without_vmap)
     masking.ALL_MASK_ATTENTION_FUNCTIONS.register("eager", eager_mask_without_vmap)
     masking.find_packed_sequence_indices = lambda position_ids: None

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from exporters.spec import BlockSpec, ModelSpec
+from tests.artifacts import spec_export
 
 MIXED_SEED = 3
 
@@ -30,8 +31,6 @@ def mixed_seed() -> int:
 @pytest.fixture(scope="session")
 def mixed_spec_onnx(mixed_spec, tmp_path_factory) -> Path:
     """`mixed_spec` with seed MIXED_SEED, exported once."""
-    from tests.artifacts import spec_export
-
     path = tmp_path_factory.mktemp("mixed") / "mixed.onnx"
     spec_export(mixed_spec, path, seed=MIXED_SEED)
     return path

@@ -25,6 +25,7 @@ from exporters.hf.synthetic import (  # noqa: F401  (re-exported for the tests)
     nemotron_shapes,
     write_nemotron,
 )
+from passes.metadata import DROPPED_ATTENTION_KEY
 from passes.shard import shard_file
 from tests.serve_fixtures import save_tokenizer
 
@@ -84,7 +85,7 @@ def save_llama_family(
     `drop_attention` zeroes those layers' o_proj and lists them in config.json the way
     exporters.hf.folder.save_smollm2 does (transformers then computes h + mlp(norm(h)) there).
     """
-    import transformers
+    import transformers  # noqa: PLC0415 (transformers: seconds to import; only when a Llama-family folder is written)
 
     kinds = {
         "LlamaForCausalLM": "LlamaConfig",
@@ -117,8 +118,6 @@ def save_llama_family(
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(folder, **kwargs)
     if drop_attention:
-        from exporters.hf.folder import DROPPED_ATTENTION_KEY
-
         path = Path(folder) / "config.json"
         path.write_text(
             json.dumps({**json.loads(path.read_text()), DROPPED_ATTENTION_KEY: list(drop_attention)})

@@ -6,14 +6,27 @@ import contextlib
 from pathlib import Path
 
 import numpy as np
+import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 import torch
 
-from exporters.decode import METADATA_KEY, decode_model_from_spec, empty_past
+from exporters.decode import decode_model_from_spec, empty_past, trace_inputs
 from exporters.llama import build_model
-from passes.io.model_io import load_model
+from exporters.onnx_export import dynamo_export, without_slices_split
+from exporters.tensorrt import shim as trt_shim
+from exporters.tensorrt.build import DimRanges, build_engine, input_profiles
+from passes.error_measures import max_abs_relative_error
+from passes.errors import UserError
+from passes.io.model_io import load_model, save_model
+from passes.metadata import DECODE_METADATA_KEY
 from passes.model_map import find_blocks
+from passes.pipeline import fuse_file
+from passes.plan import Plan
+from passes.quant.calibrate import calibrate
+from passes.quant.fp8 import quantize_fp8
+from passes.shard import shard_file
+from runtime.backends import TpThreadsBackend
 from tests import decode_fixtures as fx
 
 TOL = 1e-4
@@ -22,10 +35,6 @@ TOL = 1e-4
 @pytest.fixture(scope="module")
 def models():
     return fx.decode_models
-
-
-def rel(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.abs(a - b).max() / np.abs(b).max())
 
 
 class Runner:
@@ -88,7 +97,7 @@ def test_interface_has_cache_only_for_attention_layers(models):
     assert shapes["attention_mask"] == ["batch", "total"]
     assert shapes["past_key_4"] == ["batch", 2, "past_len", 16]
     assert session.get_outputs()[0].shape == ["batch", "seq", 96]
-    assert METADATA_KEY in session.get_modelmeta().custom_metadata_map
+    assert DECODE_METADATA_KEY in session.get_modelmeta().custom_metadata_map
     # 7 blocks, 2 with attention: the cache holds 2 layers, not 7 (attention-free blocks have none).
     assert len(shapes) - 2 == 2 * len(fx.TINY_CACHE_LAYERS)
 
@@ -100,7 +109,7 @@ def test_torch_wrapper_equals_spec_llama():
         out = wrapper(
             torch.from_numpy(ids), torch.ones_like(torch.from_numpy(ids)), *empty_past(fx.tiny_spec(), 2)
         )
-    assert rel(out[0].numpy(), torch_logits(ids)) < 1e-6
+    assert max_abs_relative_error(out[0].numpy(), torch_logits(ids)) < 1e-6
     assert len(out) == 1 + 2 * len(fx.TINY_CACHE_LAYERS)
 
 
@@ -109,8 +118,8 @@ def test_prefill_then_three_decode_steps_equal_full_rerun(models):
     runner = Runner(models("decode"))
     reference = torch_logits(ids)
     prefill = runner.step(ids[:, :6], np.ones((2, 6), np.int64), runner.empty(2))[0]
-    assert rel(prefill, reference[:, :6]) < TOL
-    assert rel(runner.prefill_then_decode(ids, 6), reference) < TOL
+    assert max_abs_relative_error(prefill, reference[:, :6]) < TOL
+    assert max_abs_relative_error(runner.prefill_then_decode(ids, 6), reference) < TOL
 
 
 def test_chunk_after_cache_equals_full_rerun(models):
@@ -119,7 +128,7 @@ def test_chunk_after_cache_equals_full_rerun(models):
     runner = Runner(models("decode"))
     _, past = runner.step(ids[:, :4], np.ones((1, 4), np.int64), runner.empty(1))
     logits, present = runner.step(ids[:, 4:], np.ones((1, 10), np.int64), past)
-    assert rel(logits, torch_logits(ids)[:, 4:]) < TOL
+    assert max_abs_relative_error(logits, torch_logits(ids)[:, 4:]) < TOL
     assert present["past_key_0"].shape == (1, 2, 10, 16)
 
 
@@ -129,11 +138,11 @@ def test_left_padding_gives_each_row_its_own_positions(models):
     ids = np.stack([long, np.concatenate([np.zeros(3, np.int64), short])])
     mask = np.array([[1] * 7, [0, 0, 0, 1, 1, 1, 1]], np.int64)
     logits, past = runner.step(ids, mask, runner.empty(2))
-    assert rel(logits[1, 3:], torch_logits(short[None])[0]) < TOL
-    assert rel(logits[0], torch_logits(long[None])[0]) < TOL
+    assert max_abs_relative_error(logits[1, 3:], torch_logits(short[None])[0]) < TOL
+    assert max_abs_relative_error(logits[0], torch_logits(long[None])[0]) < TOL
     step = np.array([[5], [6]], np.int64)
     logits, _ = runner.step(step, np.concatenate([mask, np.ones((2, 1), np.int64)], axis=1), past)
-    assert rel(logits[1, 0], torch_logits(np.append(short, 6)[None])[0, -1]) < TOL
+    assert max_abs_relative_error(logits[1, 0], torch_logits(np.append(short, 6)[None])[0, -1]) < TOL
     assert np.isfinite(logits).all()
 
 
@@ -153,14 +162,12 @@ def test_fused_decode_graph_equals_fused_prefill_model(models):
     prefill_only = ort.InferenceSession(str(models("prefill_fused")), providers=["CPUExecutionProvider"])
     expected = prefill_only.run(None, {"input_ids": ids})[0]
     got = Runner(models("decode_fused")).prefill_then_decode(ids, 6)
-    assert rel(got, expected) < TOL
-    assert rel(expected, torch_logits(ids)) > 1e-3  # fusion is an approximation: it did change the model
+    assert max_abs_relative_error(got, expected) < TOL
+    # fusion is an approximation: it did change the model
+    assert max_abs_relative_error(expected, torch_logits(ids)) > 1e-3
 
 
 def test_fuse_file_validates_decode_graph(models, tmp_path):
-    from passes.pipeline import fuse_file
-    from passes.plan import Plan
-
     result = fuse_file(models("decode"), Plan(fx.TINY_GROUPS, "fold"), tmp_path / "v.onnx")
     assert result.report is not None and result.report.ok
 
@@ -168,10 +175,6 @@ def test_fuse_file_validates_decode_graph(models, tmp_path):
 def test_fp8_decode_graph_keeps_cache_semantics(models, tmp_path):
     """FP8 Q/DQ (static per-tensor scales) on a decode graph: decode from the cache still equals a full
     re-run of the same FP8 graph, and stays close to fp32."""
-    from passes.io.model_io import save_model
-    from passes.quant.calibrate import calibrate
-    from passes.quant.fp8 import quantize_fp8
-
     path = models("decode_fused")
     ids = tokens(2, 9, seed=6)
     empty = Runner(path).empty(2)
@@ -185,7 +188,7 @@ def test_fp8_decode_graph_keeps_cache_semantics(models, tmp_path):
     runner = Runner(out)
     full = runner.step(ids, np.ones_like(ids), runner.empty(2))[0]
     stepped = runner.prefill_then_decode(ids, 6)
-    assert rel(stepped, full) < 1e-3
+    assert max_abs_relative_error(stepped, full) < 1e-3
     fp32 = Runner(path).prefill_then_decode(ids, 6)
     cos = float((stepped * fp32).sum() / np.linalg.norm(stepped) / np.linalg.norm(fp32))
     assert cos > 0.99
@@ -193,9 +196,6 @@ def test_fp8_decode_graph_keeps_cache_semantics(models, tmp_path):
 
 def test_tp2_decode_graph_equals_single_device(models, tmp_path):
     """Rank graphs of a decode graph (KV cache split by heads): prefill + 3 cached decode steps."""
-    from passes.shard import shard_file
-    from runtime.backends import TpThreadsBackend
-
     shard_file(models("decode"), 2, tmp_path / "tp2", progress=False)
     backend = TpThreadsBackend(tmp_path / "tp2")
     ids = tokens(2, 8, seed=7)
@@ -210,17 +210,13 @@ def test_tp2_decode_graph_equals_single_device(models, tmp_path):
         out = backend.run(feeds)
         parts.append(out["logits"])
         past = {n: out["present_" + n.removeprefix("past_")] for n in past}
-    assert rel(np.concatenate(parts, axis=1), torch_logits(ids)) < TOL
+    assert max_abs_relative_error(np.concatenate(parts, axis=1), torch_logits(ids)) < TOL
     assert past["past_key_4"].shape == (2, 2, 8, 16)
 
 
 def test_tensorrt_builds_decode_engine_with_empty_cache_profile(models, tmp_path):
     """TensorRT's ONNX parser and builder accept the fused decode graph, past_len from 0 (TensorRT-RTX here,
     ahead of time for sm89; the engine runs through runtime.backends.TrtBackend on a GPU)."""
-    from exporters.tensorrt import shim as trt_shim
-    from exporters.tensorrt.build import DimRanges, build_engine, input_profiles
-    from passes.errors import UserError
-
     try:
         trt_shim.load()
     except UserError:
@@ -239,11 +235,6 @@ def test_optimizer_without_slices_split_writes_the_same_graph():
     """exporters.onnx_export.without_slices_split drops a quadratic rewrite rule that never fires on these
     graphs (rotate_half's second Slice ends at INT64_MAX): the optimized graph must stay byte for byte the
     same, or the rule did fire and dropping it changed the graph."""
-    import onnx_ir as ir
-
-    from exporters.decode import trace_inputs
-    from exporters.onnx_export import dynamo_export, without_slices_split
-
     model = decode_model_from_spec(fx.tiny_spec(), fx.TINY_SEED)
     example = trace_inputs(model.spec)
     program = dynamo_export(model, example.args, opset=None, optimize=False, input_names=example.input_names,

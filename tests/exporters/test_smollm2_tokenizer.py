@@ -3,9 +3,13 @@ it saved under the cache; both give the same ids, chat template and special toke
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from exporters import smollm2_tokenizer
+from runtime.text_sets import CALIBRATION_FILES, SMOLLM2_VOCAB, read_texts
 
 TEXT = "Copyright (C) 1989, 1991 Free Software Foundation, Inc.\n  héllo 😀\n\tdef f(x): return x ** 2\n"
 CHAT = [
@@ -35,11 +39,6 @@ def test_tokenizer_folder_cache_gives_the_same_tokenizer(tmp_path, monkeypatch):
 def test_text_is_read_with_the_same_ids_and_without_transformers():
     """runtime/text_sets reads text with the bare `tokenizers` encoder: load_tokenizer's ids, in a process
     that imports neither transformers nor torch (each tool that reads text saved about 9 s of imports)."""
-    import subprocess
-    import sys
-
-    from runtime.text_sets import CALIBRATION_FILES, SMOLLM2_VOCAB, read_texts
-
     tokenizer, encoder = smollm2_tokenizer.load_tokenizer(), smollm2_tokenizer.load_encoder()
     for text in (TEXT, read_texts(CALIBRATION_FILES[:1])):
         assert encoder.encode(text, add_special_tokens=False).ids == tokenizer(

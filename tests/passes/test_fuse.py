@@ -3,22 +3,30 @@
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import passes.fuse
+import passes.io.stream_concat
+import passes.reference
+import passes.validate
 from exporters.synthetic import SyntheticSpec, build_synthetic
-from passes.fuse import PLAN_METADATA_KEY
+from passes.fuse import ffn_members
 from passes.io.model_io import load_model, load_proto
+from passes.metadata import PLAN_METADATA_KEY
 from passes.model_map import find_blocks
 from passes.pipeline import fuse_file
 from passes.plan import Plan
-from passes.reference import swiglu
+from passes.reference import group_ffns, swiglu
+from passes.validate import ValidationError
+from tests.run_graph import graph_logits
 
 SPEC = SyntheticSpec(blocks=[(True, 48), (False, 64), (False, 40), (True, 32), (False, 56), (False, 24)])
+IDS = np.arange(12).reshape(1, 12)
 
 
 @settings(max_examples=40, deadline=None)
@@ -40,14 +48,10 @@ def test_theorem_3_1_wide_ffn_equals_sum_of_ffns(hidden, widths, tokens, seed):
     np.testing.assert_allclose(wide, summed, rtol=1e-10, atol=1e-10)
 
 
-def _logits(path):
-    return ort.InferenceSession(str(path)).run(None, {"input_ids": np.arange(12).reshape(1, 12)})[0]
-
-
 def test_empty_plan_gives_bit_identical_logits(tmp_path):
     path = build_synthetic(SPEC, tmp_path / "model.onnx")
     out = fuse_file(path, Plan((), "last"), tmp_path / "fused.onnx").output
-    assert np.array_equal(_logits(path), _logits(out))
+    assert np.array_equal(graph_logits(path, IDS), graph_logits(out, IDS))
     assert {p.key: p.value for p in load_proto(out).metadata_props}[
         PLAN_METADATA_KEY
     ] == '{"groups": [], "norm": "last"}'
@@ -68,7 +72,7 @@ def test_fold_and_last_differ_when_norm_weights_differ(tmp_path):
     path = build_synthetic(SPEC, tmp_path / "model.onnx")
     last = fuse_file(path, Plan(((0, 2),), "last"), tmp_path / "last.onnx").output
     fold = fuse_file(path, Plan(((0, 2),), "fold"), tmp_path / "fold.onnx").output
-    assert not np.allclose(_logits(last), _logits(fold))
+    assert not np.allclose(graph_logits(last, IDS), graph_logits(fold, IDS))
 
 
 def test_same_model_and_plan_give_byte_identical_files(tmp_path):
@@ -90,8 +94,6 @@ def test_external_data_stays_beside_the_output(tmp_path):
 
 
 def test_large_models_are_checked_group_by_group(tmp_path, monkeypatch):
-    import passes.validate
-
     monkeypatch.setattr(passes.validate, "WHOLE_MODEL_LIMIT", 0)
     path = build_synthetic(SPEC, tmp_path / "model.onnx", external=True)
     report = fuse_file(path, Plan(((0, 2), (3, 5)), "fold"), tmp_path / "fused.onnx").report
@@ -102,9 +104,6 @@ def test_large_models_are_checked_group_by_group(tmp_path, monkeypatch):
 def test_large_groups_are_checked_by_the_streamed_reference(tmp_path, monkeypatch):
     """Groups too large for an ONNX Runtime subgraph: the fused block, as read back from the fused file,
     is evaluated over row blocks in float64 against the original weights."""
-    import passes.reference
-    import passes.validate
-
     monkeypatch.setattr(passes.validate, "WHOLE_MODEL_LIMIT", 0)
     monkeypatch.setattr(passes.validate, "SUBGRAPH_WEIGHT_LIMIT", 0)
     monkeypatch.setattr(passes.reference, "ROW_BLOCK_BYTES", 8 * 64 * 5)  # a few rows per block
@@ -116,10 +115,6 @@ def test_large_groups_are_checked_by_the_streamed_reference(tmp_path, monkeypatc
 
 
 def test_the_streamed_check_catches_a_wrong_fused_weight(tmp_path, monkeypatch):
-    import passes.fuse
-    import passes.validate
-    from passes.validate import ValidationError
-
     monkeypatch.setattr(passes.validate, "WHOLE_MODEL_LIMIT", 0)
     monkeypatch.setattr(passes.validate, "SUBGRAPH_WEIGHT_LIMIT", 0)
     float_part = passes.fuse._float_part
@@ -135,8 +130,6 @@ def test_the_streamed_check_catches_a_wrong_fused_weight(tmp_path, monkeypatch):
 def test_weight_forms_stream_into_the_fused_file(tmp_path, monkeypatch, ffn, dtype):
     """[out, in] weights stay [out, in] (read through a Transpose); halves of a gate_up weight; bf16 rows;
     written in chunks of a few rows."""
-    import passes.io.stream_concat
-
     monkeypatch.setattr(passes.io.stream_concat, "CHUNK_BYTES", 100)
     spec = SyntheticSpec(blocks=SPEC.blocks, ffn=ffn, dtype=dtype, norm="cast_fp32")
     path = build_synthetic(spec, tmp_path / "model.onnx", external=True)
@@ -145,3 +138,13 @@ def test_weight_forms_stream_into_the_fused_file(tmp_path, monkeypatch, ffn, dty
         assert result.report.ok, result.report.lines()
         fused = find_blocks(load_model(result.output))[0].ffn
         assert fused.width == 152 and fused.gate.transposed == (ffn in ("transpose", "gemm"))
+
+
+def test_reference_finds_group_members_from_the_block_table(tmp_path):
+    """passes.reference.group_ffns picks a group's FFNs on its own (not through the rewrite's ffn_members),
+    and refuses a block table whose numbers are not positions."""
+    blocks = find_blocks(load_model(build_synthetic(SPEC, tmp_path / "model.onnx")))
+    for group in [(0, 5), (1, 2), (3, 3)]:
+        assert [b.index for b in group_ffns(blocks, group)] == [b.index for b in ffn_members(blocks, group)]
+    with pytest.raises(ValueError, match="numbered"):
+        group_ffns([replace(b, index=b.index + 1) for b in blocks], (1, 2))

@@ -7,33 +7,26 @@ each planned group's layers replaced by their parallel sum x + sum_k mlp_k(norm(
 from __future__ import annotations
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 import torch
 
+from passes.error_measures import l2_relative_error
 from passes.io.model_io import load_model
 from passes.model_map import find_blocks
 from passes.pipeline import fuse_file
 from passes.plan import Plan
+from tests.run_graph import graph_logits
 from tests.torch_reference import parallel_model  # tests/torch_reference.py
 
 SMOLLM2_GROUPS = ((13, 17), (18, 21))
 
 
 def torch_parallel_logits(groups, mode: str, ids: np.ndarray) -> np.ndarray:
-    from exporters import smollm2
+    from exporters import smollm2  # noqa: PLC0415 (imports transformers: only the SmolLM2 reference needs it)
 
     model = parallel_model(smollm2.load_pruned(range(13, 23)), groups, mode)
     with torch.no_grad():
         return model(input_ids=torch.from_numpy(ids), use_cache=False).logits.numpy()
-
-
-def ort_logits(path, ids: np.ndarray) -> np.ndarray:
-    return ort.InferenceSession(str(path)).run(None, {"input_ids": ids})[0]
-
-
-def rel(a, b) -> float:
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 @pytest.mark.slow
@@ -46,17 +39,18 @@ def test_smollm2_pruned_fused_matches_torch_parallel_reference(smollm2_pruned_on
     assert result.report.ok and max(g.rel_error for g in result.report.groups) < 1e-5
     assert result.blocks_after == 30 - 4 - 3
     ids = np.random.default_rng(1).integers(0, 49152, size=(2, 11))
-    fused = ort_logits(result.output, ids)
-    assert rel(fused, torch_parallel_logits(SMOLLM2_GROUPS, mode, ids)) < 1e-4
-    original = ort_logits(smollm2_pruned_onnx, ids)
-    assert rel(fused, original) > 1e-3  # fusion changed the function: the reference is not trivially equal
+    fused = graph_logits(result.output, ids)
+    assert l2_relative_error(fused, torch_parallel_logits(SMOLLM2_GROUPS, mode, ids)) < 1e-4
+    original = graph_logits(smollm2_pruned_onnx, ids)
+    # fusion changed the function: the reference is not trivially equal
+    assert l2_relative_error(fused, original) > 1e-3
 
 
 @pytest.mark.slow
 def test_smollm2_empty_plan_is_bit_identical(smollm2_pruned_onnx, tmp_path):
     out = fuse_file(smollm2_pruned_onnx, Plan((), "last"), tmp_path / "empty.onnx").output
     ids = np.arange(7).reshape(1, 7)
-    assert np.array_equal(ort_logits(out, ids), ort_logits(smollm2_pruned_onnx, ids))
+    assert np.array_equal(graph_logits(out, ids), graph_logits(smollm2_pruned_onnx, ids))
 
 
 @pytest.mark.slow

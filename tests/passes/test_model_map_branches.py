@@ -4,17 +4,24 @@ fusion barrier."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 
 from exporters.hf.checkpoint import export_hf
+from passes.error_measures import max_abs_relative_error
 from passes.errors import UserError
 from passes.io.model_io import load_model
+from passes.io.sessions import open_session
 from passes.model_map import build_model_map
 from passes.patterns.attention import is_linear
 from passes.plan import parse_plan, validate_plan
+from passes.shard import shard_file
+from passes.shard.roles import find_structure
+from runtime.tp.ort import run_simulated
 from tests.exporters.hf_fixtures import deci_block, nemotron_config, write_nemotron
 
 # Layers: 0 attention + FFN, 1 FFN, 2 Linear attention + FFN, 3 Linear FFN only, 4 FFN, 5 attention + FFN,
@@ -77,8 +84,6 @@ def test_plan_may_not_span_a_linear_branch(linear_nemotron, group) -> None:
 
 
 def test_cli_refuses_a_group_across_a_linear_branch(tool, linear_nemotron, tmp_path) -> None:
-    import json
-
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"groups": [[1, 2]]}))
     out = tmp_path / "fused.onnx"
@@ -96,14 +101,6 @@ def _tokens(seed: int = 0) -> np.ndarray:
 def test_linear_branch_shards_row_parallel(linear_nemotron, tmp_path, tp) -> None:
     """A one-Linear branch (attention and FFN replace_with_linear) shards row-parallel: each rank gathers
     its share of the replicated input features and multiplies by its rows; the all-reduce sums them."""
-    import onnx
-
-    from passes.error_measures import max_abs_relative_error
-    from passes.io.sessions import open_session
-    from passes.shard import shard_file
-    from passes.shard.roles import find_structure
-    from runtime.tp.ort import run_simulated
-
     source = linear_nemotron[1]
     structure = find_structure(load_model(source))
     assert [b.kind for b in structure.branches] == KINDS
@@ -129,8 +126,6 @@ def test_show_blocks_marks_linear_barriers(tool, linear_nemotron) -> None:
 def test_analyze_never_proposes_across_a_linear_branch(tool, linear_nemotron, tmp_path) -> None:
     """Proposal runs stop at Linear branches as at attention: with every dependency allowed, the old
     attention-only runs would propose [1, 2] across the Linear attention of block 2."""
-    import json
-
     ids = tmp_path / "ids.npy"
     np.save(ids, _tokens(1).reshape(-1))
     out = tmp_path / "analysis"

@@ -14,11 +14,12 @@ import torch
 from exporters.llama import build_model
 from exporters.spec import BlockSpec, ModelSpec
 from passes.block_table import format_block_table
+from passes.error_measures import l2_relative_error
 from passes.errors import UserError
-from passes.graph_inputs import Signature
 from passes.io.model_io import load_model
-from passes.io.sessions import open_session
-from passes.model_map import PLAN_METADATA_KEY, build_model_map, find_blocks
+from passes.metadata import PLAN_METADATA_KEY
+from passes.model_map import build_model_map, find_blocks
+from passes.parallel import ParallelizeBlocks
 from passes.pipeline import fuse_file
 from passes.plan import Plan, parse_plan, validate_plan
 from passes.run.block_runner import BlockRunner
@@ -26,6 +27,7 @@ from passes.shard import count_allreduces
 from passes.validate import plan_from_metadata
 from runtime.generate import DecodeModel, greedy_generate
 from tests.artifacts import spec_export
+from tests.run_graph import graph_logits
 from tests.runtime.heal.test_graphs import fix_dims
 from tests.torch_reference import parallel_blocks_model, parallel_model
 
@@ -51,22 +53,12 @@ def tiny(tmp_path_factory):
     return prefill, decode
 
 
-def ort_logits(path, ids: np.ndarray = IDS) -> np.ndarray:
-    proto = onnx.load(str(path), load_external_data=False)
-    session = open_session(proto, folder=path.parent)
-    return session.run(None, Signature.of(proto).feeds(ids))[0]
-
-
 def torch_logits(parallel, groups=(), ids: np.ndarray = IDS) -> np.ndarray:
     model = build_model(spec(), SEED)
     parallel_model(model, groups, "last")
     parallel_blocks_model(model, parallel)
     with torch.no_grad():
         return model(torch.from_numpy(ids)).numpy()
-
-
-def rel(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def test_plan_key_round_trips() -> None:
@@ -85,9 +77,10 @@ def test_parallel_and_ffn_groups_validate_and_match_torch(tiny, tmp_path) -> Non
     assert all(g.rel_error < 1e-5 for g in report.groups)
     assert report.logits_rel_error is not None and report.logits_rel_error > 1e-3  # it changes the model
     assert plan_from_metadata(out) == parse_plan(PLAN)
-    fused = ort_logits(out)
-    assert rel(fused, torch_logits([(0, 2)], [(4, 5)])) < 1e-4
-    assert rel(fused, torch_logits([], [(4, 5)])) > 1e-3  # the torch reference tells the two apart
+    fused = graph_logits(out, IDS)
+    assert l2_relative_error(fused, torch_logits([(0, 2)], [(4, 5)])) < 1e-4
+    # the torch reference tells the two apart
+    assert l2_relative_error(fused, torch_logits([], [(4, 5)])) > 1e-3
     # The rewrite moved only stream inputs: every attention core (Softmax) is still there.
     softmax = [n for n in load_model(out).graph if n.op_type == "Softmax"]
     assert len(softmax) == 4
@@ -126,7 +119,7 @@ def test_a_graph_with_static_dims(tiny, tmp_path, batch, seq) -> None:
     out = tmp_path / "static.fused.onnx"
     report = fuse_file(static, parse_plan(PLAN), out).report
     assert report.ok and all(g.rel_error < 1e-5 for g in report.groups)
-    assert rel(ort_logits(out), torch_logits([(0, 2)], [(4, 5)])) < 1e-4
+    assert l2_relative_error(graph_logits(out, IDS), torch_logits([(0, 2)], [(4, 5)])) < 1e-4
     assert count_allreduces(out) == 5 and len(build_model_map(load_model(out)).parallel) == 1
 
 
@@ -177,8 +170,6 @@ def test_validate_plan_refuses_before_touching(tiny) -> None:
     with pytest.raises(UserError, match=r"block 4 .*has no attention part"):
         validate_plan(parse_plan({"parallel_blocks": [[3, 4]]}), blocks)
     model = load_model(tiny[0])
-    from passes.parallel import ParallelizeBlocks
-
     before = len(model.graph)
     with pytest.raises(UserError, match="has no attention part"):
         ParallelizeBlocks(parse_plan({"parallel_blocks": [[3, 4]]}))(model)

@@ -12,6 +12,8 @@ import onnx
 import pytest
 import torch
 
+from exporters.hf.checkpoint import export_hf
+from passes.error_measures import l2_relative_error, max_abs_relative_error
 from passes.graph_inputs import Signature
 from passes.io.model_io import load_model, save_model
 from passes.io.sessions import open_session
@@ -20,6 +22,9 @@ from passes.pipeline import fuse_file
 from passes.plan import parse_plan
 from passes.quant.calibrate import calibrate
 from passes.quant.fp8 import quantize_fp8
+from passes.shard import count_allreduces
+from tests.passes.shard.test_parallel_groups import _over_gloo
+from tests.run_graph import graph_logits
 from tests.torch_reference import parallel_blocks_model
 
 pytestmark = pytest.mark.slow
@@ -34,21 +39,10 @@ CORPUS_ENTRIES = [
 ]
 
 
-def ort_logits(path: Path) -> np.ndarray:
-    proto = onnx.load(str(path), load_external_data=False)
-    signature = Signature.of(proto)
-    session = open_session(proto, folder=path.parent)
-    return session.run([signature.logits.name], signature.feeds(IDS))[0]
-
-
 def torch_logits(model: torch.nn.Module, groups) -> np.ndarray:
     parallel_blocks_model(model, groups)
     with torch.no_grad():
         return model(input_ids=torch.from_numpy(IDS), use_cache=False).logits.numpy()
-
-
-def rel(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def check(report, groups, out: Path) -> None:
@@ -64,25 +58,26 @@ def check(report, groups, out: Path) -> None:
 
 
 def test_smollm2_two_parallel_groups_equal_torch(smollm2_pruned_onnx, tmp_path) -> None:
-    from exporters import smollm2
+    from exporters import smollm2  # noqa: PLC0415 (imports transformers: only the SmolLM2 reference needs it)
 
     out = tmp_path / "smollm2.parallel.onnx"
     report = fuse_file(smollm2_pruned_onnx, parse_plan({"parallel_blocks": SMOLLM2_GROUPS}), out).report
     check(report, SMOLLM2_GROUPS, out)
     print("\n".join(report.lines()))
-    assert rel(ort_logits(out), torch_logits(smollm2.load_pruned(range(13, 23)), SMOLLM2_GROUPS)) < 1e-4
+    reference = torch_logits(smollm2.load_pruned(range(13, 23)), SMOLLM2_GROUPS)
+    assert l2_relative_error(graph_logits(out, IDS), reference) < 1e-4
 
 
 @pytest.mark.parametrize("name", CORPUS_ENTRIES)
 def test_third_party_parallel_groups_equal_torch(third_party_corpus, corpus_hf, tmp_path, name) -> None:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415 (transformers: seconds to import; only the corpus references need it)
 
     out = tmp_path / "model.parallel.onnx"
     plan = parse_plan(json.loads(json.dumps({"groups": [], "parallel_blocks": CORPUS_GROUPS})))
     report = fuse_file(third_party_corpus[name], plan, out).report
     check(report, CORPUS_GROUPS, out)
     model = AutoModelForCausalLM.from_pretrained(corpus_hf, dtype=torch.float32).eval()
-    assert rel(ort_logits(out), torch_logits(model, CORPUS_GROUPS)) < 1e-4
+    assert l2_relative_error(graph_logits(out, IDS), torch_logits(model, CORPUS_GROUPS)) < 1e-4
     if name == "optimum":
         check_fp8(out, tmp_path / "fp8.onnx")
 
@@ -97,8 +92,8 @@ def check_fp8(parallel: Path, out: Path) -> None:
     assert report.weights > 0
     save_model(model, out, external=True)
     assert [g.size for g in walk_stream(load_model(out)).parallel] == [4, 4]
-    fp8, fp32 = ort_logits(out), ort_logits(parallel)
-    assert 1e-4 < rel(fp8, fp32) < 0.25  # it ran in FP8, close to the fp32 parallel graph
+    fp8, fp32 = graph_logits(out, IDS), graph_logits(parallel, IDS)
+    assert 1e-4 < l2_relative_error(fp8, fp32) < 0.25  # it ran in FP8, close to the fp32 parallel graph
 
 
 def test_genai_int4_parallel_groups_validate(third_party_corpus, tmp_path) -> None:
@@ -119,12 +114,7 @@ def test_hf_exporter_and_optimum_all_reduces_and_tp2(third_party_corpus, corpus_
     logits too (1e-4; Optimum's export: test_third_party_parallel_groups_equal_torch); both exports go from
     50 to 38 all-reduces (20 attention + 30 FFN; two 4-block groups of full blocks: 8 -> 2 each), and
     Optimum's parallel graph in TP 2 ranks over gloo equals its one-device run (1e-5)."""
-    from transformers import AutoModelForCausalLM
-
-    from exporters.hf.checkpoint import export_hf
-    from passes.error_measures import max_abs_relative_error
-    from passes.shard import count_allreduces
-    from tests.passes.shard.test_parallel_groups import _over_gloo
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415 (transformers: seconds to import; only the corpus references need it)
 
     sources = {"hf": tmp_path / "hf_export" / "model.onnx", "optimum": third_party_corpus["optimum"]}
     export_hf(corpus_hf, sources["hf"], dtype="float32")
@@ -134,7 +124,8 @@ def test_hf_exporter_and_optimum_all_reduces_and_tp2(third_party_corpus, corpus_
         check(fuse_file(source, plan, out).report, CORPUS_GROUPS, out)
         assert (count_allreduces(source), count_allreduces(out)) == (50, 38), name
     model = AutoModelForCausalLM.from_pretrained(corpus_hf, dtype=torch.float32).eval()
-    assert rel(ort_logits(tmp_path / "hf.parallel.onnx"), torch_logits(model, CORPUS_GROUPS)) < 1e-4
+    got = graph_logits(tmp_path / "hf.parallel.onnx", IDS)
+    assert l2_relative_error(got, torch_logits(model, CORPUS_GROUPS)) < 1e-4
     ids = IDS[:, :9]
     optimum = tmp_path / "optimum.parallel.onnx"
     (tmp_path / "tp").mkdir()

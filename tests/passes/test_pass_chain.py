@@ -10,8 +10,9 @@ import onnx_ir as ir
 import pytest
 
 from passes.errors import INTERNAL_ERROR_STATUS, PassInputError, UserError, run_cli
-from passes.fuse import PLAN_METADATA_KEY, FuseFFNGroups
+from passes.fuse import FuseFFNGroups
 from passes.io.model_io import load_model, save_model
+from passes.metadata import PLAN_METADATA_KEY
 from passes.plan import Plan
 from passes.quant.calibrate import calibrate
 from passes.quant.fp8 import QuantizeFP8

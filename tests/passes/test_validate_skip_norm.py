@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+import passes.fuse
 import passes.validate
 from passes.pipeline import fuse_file
 from passes.plan import Plan
@@ -28,8 +29,6 @@ def test_groups_of_a_skip_norm_graph_validate(
 
 def test_a_wrong_last_group_is_caught_per_group(skip_norm_model, tmp_path, monkeypatch):
     """The per-group check on the last block still compares numbers: "fold" without its scaling fails."""
-    import passes.fuse
-
     monkeypatch.setattr(passes.validate, "WHOLE_MODEL_LIMIT", 0)
     float_part = passes.fuse._float_part
     monkeypatch.setattr(passes.fuse, "_float_part", lambda w, t, scale: float_part(w, t, None))

@@ -7,8 +7,10 @@ import json
 from dataclasses import replace
 
 import numpy as np
+import pytest
 
 from exporters.synthetic import SyntheticSpec, build_synthetic
+from passes.errors import UserError
 from passes.plan import Plan
 from runtime.analyze import AnalyzeOptions, analyze_and_plan, tp_counts
 from runtime.latency.predict import LayerShape
@@ -48,10 +50,7 @@ def test_a_graph_with_static_dims_is_analyzed_as_its_dynamic_original(tmp_path):
     the graph's length without --window, the 4 windows run one at a time (BlockRunner chunks a fixed batch),
     and the dependency matrix, the plan and the norm errors are those of the dynamic original; a window the
     graph does not take is refused in one line."""
-    import pytest
-
-    from passes.errors import UserError
-    from tests.runtime.heal.test_graphs import fix_dims
+    from tests.runtime.heal.test_graphs import fix_dims  # noqa: PLC0415 (imports torch: only this test needs it)
 
     blocks = [(True, 16), (False, 24), (False, 16), (False, 8), (True, 16)]
     model = build_synthetic(SyntheticSpec(blocks=blocks, seed=1), tmp_path / "m.onnx")

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 
 from exporters.synthetic import SyntheticSpec, build_synthetic
@@ -19,6 +18,7 @@ from runtime import evaluate as evaluate_module
 from runtime import text_sets as text
 from runtime.evaluate import evaluate, format_table, kl_total
 from runtime.text_sets import TextSet, windows
+from tests.run_graph import graph_logits
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCKS = [(True, 48), (False, 64), (False, 40), (False, 56), (True, 32)]
@@ -39,8 +39,8 @@ def _set(name: str = "t", n: int = 3, length: int = 16, seed: int = 0) -> TextSe
 
 
 def _logits(path: Path, ids: np.ndarray) -> np.ndarray:
-    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    return np.concatenate([sess.run(None, {"input_ids": row[None]})[0] for row in ids]).astype(np.float64)
+    """Row by row, as evaluate runs a window (float64 for the log-probabilities)."""
+    return np.concatenate([graph_logits(path, row[None]) for row in ids]).astype(np.float64)
 
 
 def _log_probs(logits: np.ndarray) -> np.ndarray:
@@ -104,7 +104,7 @@ def test_windows_and_default_texts():
     evaluation = {f for files in text.EVALUATION_FILES.values() for f in files}
     assert not calibration & evaluation  # analysis and evaluation never share text
     assert all(f.is_file() for f in calibration | evaluation)
-    assert text.tokenizer_for(64) is None
+    assert text.model_tokenizer(None, 64) is None
     ids, source = text.calibration_windows(64, None, 40, 20)
     # a model without a known tokenizer reads the same default text as UTF-8 bytes, every file sampled
     assert ids.shape == (2, 20) and ids.max() <= 63 and "bytes" in source
@@ -114,11 +114,11 @@ def test_windows_and_default_texts():
 
 @pytest.mark.slow
 def test_smollm2_tokenizer_texts():
-    sets = text.evaluation_sets(text.SMOLLM2_VOCAB, 64, 128)
+    sets = text.held_out_sets(text.SMOLLM2_VOCAB, None, 128, 64)
     assert [(s.name, s.windows.shape) for s in sets] == [("prose", (2, 64)), ("code", (2, 64))]
     ids, source = text.calibration_windows(text.SMOLLM2_VOCAB, None, 128, 64)
     assert ids.shape == (2, 64) and "Apache-2.0" in source and "SmolLM2" in source
-    tokenizer = text.tokenizer_for(text.SMOLLM2_VOCAB)
+    tokenizer = text.model_tokenizer(None, text.SMOLLM2_VOCAB)
     assert tokenizer.decode(ids[0, :5].tolist()).strip().startswith("Apache")
     assert "GNU" in tokenizer.decode(ids[1].tolist())  # the second window comes from the second file (GPL-2)
 

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from passes.errors import UserError
+from passes.io.model_io import load_model
 from passes.io.sessions import providers_for
+from passes.model_map import find_blocks
+from passes.pipeline import fuse_file
+from passes.plan import Plan
+from passes.shard import shard_file
 from runtime.backends import OrtBackend, TpThreadsBackend, TrtBackend
-from runtime.generate import DecodeModel, greedy_generate, left_pad
+from runtime.generate import DecodeModel, generate_text, greedy_generate, left_pad
 from tests import decode_fixtures as fx
 
 PROMPTS = [[3, 17, 41, 8, 60, 22], [90, 5, 33]]  # different lengths: the batch is left-padded
@@ -63,8 +67,6 @@ def test_fused_decode_graph_generates_like_fused_prefill_model(tiny_models):
 
 def test_tp2_threads_backend_generates_like_one_device(tiny_models, tmp_path, expected):
     """Sharded rank graphs in one process (one thread per rank, all-reduces between them)."""
-    from passes.shard import shard_file
-
     report = shard_file(tiny_models("prefill_fused"), 2, tmp_path / "tp2", progress=False)
     backend = TpThreadsBackend(tmp_path / "tp2")
     one = greedy_generate(DecodeModel.open(tiny_models("prefill_fused")), [PROMPTS[0]], 5).tokens
@@ -96,23 +98,14 @@ def test_backends_without_gpu_say_what_is_missing(tiny_models, tmp_path):
 # ------------------------------------------------------------------------------------------ SmolLM2
 
 
-@pytest.mark.slow
-def test_smollm2_decode_graph_equals_hf_and_fuses(smollm2_decode_onnx, tmp_path):
-    """The real model: decode-graph logits equal Hugging Face's (prefill + 3 cached steps), the block table
-    is SmolLM2's, the project plan fuses it, and the fused model generates text."""
-    from exporters import smollm2
-    from passes.io.model_io import load_model
-    from passes.model_map import find_blocks
-    from passes.pipeline import fuse_file
-    from passes.plan import Plan
-    from runtime.generate import generate_text
-
-    hf = smollm2.load_pruned()
+def test_smollm2_decode_steps_equal_one_prefill_and_fuse(smollm2_decode_onnx, tmp_path):
+    """The real model's decode graph (equal to transformers: tests/exporters/hf/test_decode_graph.py): a
+    prefill and 3 cached steps through DecodeModel give the logits of one prefill of the whole sequence, the
+    block table is SmolLM2's, the project plan fuses it, and the fused model generates text."""
     ids = np.array([[1, 504, 3458, 314, 253, 1345, 28, 940, 9, 216]], dtype=np.int64)
-    with torch.no_grad():
-        reference = hf(input_ids=torch.from_numpy(ids), use_cache=False).logits.numpy()
     model = DecodeModel.open(smollm2_decode_onnx)
     assert len(model.cache_layers) == 20  # 30 layers less the 10 attention-free ones
+    reference, _ = model.forward(ids, np.ones((1, 10), np.int64), model.empty_cache(1))
     logits, cache = model.forward(ids[:, :7], np.ones((1, 7), np.int64), model.empty_cache(1))
     parts = [logits]
     for t in range(7, 10):

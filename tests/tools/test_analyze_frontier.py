@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from exporters.spec import BlockSpec, ModelSpec
+from tests import serve_fixtures as sf
 from tests.artifacts import spec_export
 
 FAST = ["--screen-tokens", "48", "--window", "12", "--eval-tokens", "96", "--block-group", "2", "--quiet"]
@@ -130,8 +131,6 @@ def test_heal_and_cpu_decode_beside_the_frontier(tool, model, frontier):
 def test_lm_eval_scores_the_frontier_through_the_server(tool, tmp_path):
     """--lm-eval: the original and each fusing frontier plan served (with the tokenizer beside the model) and
     scored by the real lm_eval on license_mc; the accuracy lands in frontier.json and the table."""
-    from tests import serve_fixtures as sf
-
     model = sf.tiny_folder(tmp_path) / "model.onnx"
     out = tmp_path / "fr"
     run = tool("analyze", model, "--frontier", "--out", out, "--lm-eval", "--lm-eval-items", "20",

@@ -11,6 +11,7 @@ import pytest
 
 from exporters.spec import BlockSpec, ModelSpec
 from exporters.synthetic import SyntheticSpec, build_synthetic
+from runtime.analyze import MAX_REFUSED
 from tests.artifacts import spec_export
 
 FAST = ["--num-tokens", "24", "--window", "12", "--eval-tokens", "96", "--quiet"]
@@ -98,8 +99,6 @@ def test_groups_raising_the_kl_too_much_are_refused(tool, unpruned, tmp_path) ->
     """--parallel-max-kl 0 refuses every group (each changes the model): MAX_REFUSED candidates are tried in
     the paper's order, overlapping ones included (a refused group leaves its blocks free), and the plan
     takes none."""
-    from runtime.analyze import MAX_REFUSED
-
     out = tmp_path / "analysis"
     run = tool("analyze", unpruned, "--out", out, "--parallel-blocks", "--parallel-max-kl", "0", *FAST)
     assert run.returncode == 0, run.stderr

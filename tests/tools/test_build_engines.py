@@ -14,6 +14,7 @@ import pytest
 
 from exporters.tensorrt import shim as trt_shim
 from passes.errors import UserError
+from passes.quant.calibrate import tokens_sha256
 from tests import fp8_fixtures as fx
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -98,7 +99,6 @@ def test_calibration_from_npy_ids(tmp_path, tmp_path_factory, capsys):
     err = capsys.readouterr().err
     assert code == 0 and "calibrating tiny_llama.onnx on 192 tokens" in err
     assert "quantized 15 linear layers" in err and "skipped: none" in err
-    from passes.quant.calibrate import tokens_sha256
 
     saved = json.loads(scales.read_text())
     assert saved["calibration_tokens_sha256"] == tokens_sha256([ids[0:4], ids[4:6]])

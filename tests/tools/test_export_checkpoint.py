@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import onnx as onnx_lib
 import pytest
 
 from exporters.hf.checkpoint import export_hf
@@ -64,8 +65,6 @@ def test_prints_the_layers_and_files(tool, fused, tmp_path) -> None:
 
 
 def _edited(onnx: Path, name: str, key: str, value: dict) -> Path:
-    import onnx as onnx_lib
-
     proto = load_proto(onnx)
     for prop in proto.metadata_props:
         if prop.key == key:

@@ -9,6 +9,7 @@ import shutil
 import numpy as np
 import onnx
 import pytest
+from onnx import TensorProto, helper, numpy_helper
 
 from exporters.synthetic import SyntheticSpec, build_synthetic
 
@@ -111,8 +112,6 @@ def _bad_cases(tmp_path, model):
 
 def _gelu_model(path):
     """A tiny LayerNorm -> GELU decoder: not what FFN Fusion handles."""
-    from onnx import TensorProto, helper, numpy_helper
-
     rng = np.random.default_rng(0)
     w = lambda *s: numpy_helper.from_array(rng.standard_normal(s).astype(np.float32))  # noqa: E731
     inits = [w(16, 8), w(8), w(8), w(8, 32), w(32, 8)]

@@ -10,7 +10,8 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from passes.io.model_io import load_model
-from runtime.heal.metadata import HEAL_METADATA_KEY, TENSOR_HASHES_KEY
+from passes.metadata import HEAL_METADATA_KEY
+from runtime.heal.metadata import TENSOR_HASHES_KEY
 from tests.runtime.verify.artifacts import healed_artifacts, tampered, tiny_artifacts, with_metadata
 
 pytestmark = pytest.mark.slow  # each --verify is a subprocess of a few seconds

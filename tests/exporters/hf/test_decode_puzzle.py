@@ -13,11 +13,11 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from exporters.decode_spec import METADATA_KEY
 from exporters.hf.checkpoint import export_hf
 from exporters.hf.synthetic import write_all_kinds
 from passes.error_measures import max_abs_relative_error
 from passes.graph_inputs import Signature
+from passes.metadata import DECODE_METADATA_KEY
 from runtime.generate import DecodeModel, greedy_generate
 from tests.exporters.hf.test_checkpoint import reference_logits, run_onnx
 from tests.exporters.hf_fixtures import PUZZLE_CACHE_HEADS, PUZZLE_VOCAB, puzzle_models
@@ -56,7 +56,7 @@ def test_one_cache_per_attention_layer_with_its_own_kv_heads(puzzle) -> None:
     assert signature.cache_layers == list(PUZZLE_CACHE_HEADS)
     assert {i.name: i.static(1) for i in signature.cache_inputs} == expected
     metadata = {p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props}
-    meta = json.loads(metadata[METADATA_KEY])
+    meta = json.loads(metadata[DECODE_METADATA_KEY])
     assert meta["cache_layers"] == list(PUZZLE_CACHE_HEADS) and meta["kv_heads"] == [2, 1, 4]
     assert DecodeModel.open(path).cache_layers == list(PUZZLE_CACHE_HEADS)
 

@@ -8,23 +8,32 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
+import onnx as onnx_lib
 import pytest
 import torch
 from safetensors.numpy import load_file
+from safetensors.torch import load_file as load_torch
 
 from exporters.hf.checkpoint import export_hf
 from exporters.hf.synthetic import write_all_kinds
+from exporters.nas import safetensors_out as st
 from exporters.nas.export import export_checkpoint
 from exporters.nas.ffn_mult import ffn_mult_for, ffn_width
 from exporters.nas.layout import plan_layout
+from exporters.nas.onnx_proto import read_model
 from exporters.spec import super49b_pattern
+from passes.error_measures import max_abs_relative_error
 from passes.errors import UserError
 from passes.io.model_io import load_model, load_proto
-from passes.io.sessions import open_session
 from passes.model_map import find_blocks
 from passes.pipeline import fuse_file
 from passes.plan import parse_plan
+from passes.quant.calibrate import calibrate
+from passes.quant.fp8 import quantize_fp8
+from runtime.heal.metadata import HealConfig
+from runtime.heal.report import run_heal
 from tests.exporters.hf.deci_reference import deci_logits, load_weights
+from tests.run_graph import graph_logits
 
 VOCAB = 96
 PLAN = {"groups": [[1, 4], [9, 10]]}
@@ -36,14 +45,6 @@ ULTRA = {399360: 36.5625, 425984: 39.0, 343040: 31.40625, 301056: 27.5625}  # de
 
 def _ids(seed: int = 0, batch: int = 2, seq: int = 9, vocab: int = VOCAB) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, vocab, size=(batch, seq)).astype(np.int64)
-
-
-def _logits(path: Path, ids: np.ndarray) -> np.ndarray:
-    return open_session(load_proto(path), folder=path.parent, threads=1).run(None, {"input_ids": ids})[0]
-
-
-def _rel(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.abs(a - b).max() / np.abs(b).max())
 
 
 @pytest.fixture(scope="module")
@@ -111,9 +112,9 @@ def test_fused_all_kinds_round_trip(all_kinds, tmp_path, norm) -> None:
     export_hf(out, back, dtype="float32")
     assert [b.width for b in find_blocks(load_model(back))] == WIDTHS
     ids = _ids()
-    expected = _logits(fused, ids)
-    assert _rel(_logits(back, ids), expected) <= 1e-5
-    assert _rel(deci_logits(out, ids), expected) <= 1e-4
+    expected = graph_logits(fused, ids)
+    assert max_abs_relative_error(graph_logits(back, ids), expected) <= 1e-5
+    assert max_abs_relative_error(deci_logits(out, ids), expected) <= 1e-4
 
 
 def test_unfused_round_trip_is_the_source(all_kinds, tmp_path) -> None:
@@ -141,9 +142,6 @@ def test_unfused_round_trip_is_the_source(all_kinds, tmp_path) -> None:
 def test_healed_round_trip(all_kinds, tmp_path) -> None:
     """A healed model (runtime.heal, 10 Adam steps a group) round-trips exactly: the healed weights are the
     checkpoint's, and they differ from the plain concatenation's."""
-    from runtime.heal.metadata import HealConfig
-    from runtime.heal.report import run_heal
-
     folder, onnx = all_kinds
     fused = fuse_file(onnx, parse_plan({**PLAN, "norm": "fold"}), tmp_path / "fused.onnx").output
     np.save(tmp_path / "calib.npy", _ids(3, 1, 512))
@@ -160,8 +158,8 @@ def test_healed_round_trip(all_kinds, tmp_path) -> None:
     back = tmp_path / "back" / "model.onnx"
     export_hf(out, back, dtype="float32")
     ids = _ids(1)
-    assert _rel(_logits(back, ids), _logits(healed, ids)) <= 1e-5
-    assert _rel(deci_logits(out, ids), _logits(healed, ids)) <= 1e-4
+    assert max_abs_relative_error(graph_logits(back, ids), graph_logits(healed, ids)) <= 1e-5
+    assert max_abs_relative_error(deci_logits(out, ids), graph_logits(healed, ids)) <= 1e-4
 
 
 def test_bf16_graph_gives_the_same_checkpoint(all_kinds, tmp_path) -> None:
@@ -200,8 +198,6 @@ def test_a_wrong_early_guess_is_rewritten(all_kinds, tmp_path) -> None:
     """The early copy guesses tensors by name: a graph whose fused gate and up initializers swapped names
     (the same computation) makes the guess wrong; the recognizer's layout disagrees, the guessed files are
     dropped and the checkpoint is the one the unswapped graph gives, byte for byte."""
-    import onnx as onnx_lib
-
     folder, onnx = all_kinds
     fused = fuse_file(onnx, parse_plan({**PLAN, "norm": "last"}), tmp_path / "g" / "fused.onnx").output
     proto = load_proto(fused)
@@ -226,8 +222,6 @@ def test_the_early_guess_reads_the_onnx_file_as_onnx_does(all_kinds, tmp_path) -
     """exporters.nas.onnx_proto (the standard-library reader the early copy uses instead of `import onnx`)
     gives the metadata and every initializer's name, dtype, dims, raw bytes and external place that onnx's
     own parser gives: on the float32 graph (norms inline) and on a fused bf16 graph."""
-    from exporters.nas.onnx_proto import read_model
-
     folder, onnx = all_kinds
     bf16 = tmp_path / "bf16" / "model.onnx"
     export_hf(folder, bf16)
@@ -251,8 +245,6 @@ def test_contiguous_copies_are_one_kernel_copy(tmp_path, monkeypatch) -> None:
     """Tensors whose bytes follow each other in the source file are written by one copy_file_range run (a
     thread copying beside the recognizer takes the GIL back once per call); the file is the same as when
     each tensor is copied on its own, and a tensor from elsewhere starts a new run."""
-    from exporters.nas import safetensors_out as st
-
     source = tmp_path / "weights.bin"
     source.write_bytes(np.random.default_rng(0).integers(0, 256, 64 * 6, dtype=np.uint8).tobytes())
     spans = [(0, 64), (64, 128), (256, 64), (128, 128)]  # the third is not right after the second
@@ -276,9 +268,6 @@ def test_fp8_weights_are_the_fp8_onnx_weights(all_kinds, tmp_path) -> None:
     """--fp8 (per-channel): every linear weight and scale is the project's FP8 ONNX's (passes.quant.fp8) to
     the bit; lm_head and norms stay bf16; the ModelOpt configs name the algorithm; the dequantized
     checkpoint's logits are as close to the float ones as the FP8 ONNX's are."""
-    from passes.quant.calibrate import calibrate
-    from passes.quant.fp8 import quantize_fp8
-
     folder, onnx = all_kinds
     fused = fuse_file(onnx, parse_plan({**PLAN, "norm": "fold"}), tmp_path / "fused" / "model.onnx").output
     out = tmp_path / "nas_fp8"
@@ -286,8 +275,6 @@ def test_fp8_weights_are_the_fp8_onnx_weights(all_kinds, tmp_path) -> None:
     quant = json.loads((out / "hf_quant_config.json").read_text())["quantization"]
     assert quant["quant_algo"] == "FP8_PER_CHANNEL_PER_TOKEN" and quant["exclude_modules"] == ["lm_head"]
     assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == "modelopt"
-    from safetensors.torch import load_file as load_torch
-
     tensors = load_torch(str(out / "model.safetensors"))
     assert tensors["lm_head.weight"].dtype == torch.bfloat16
     assert tensors["model.norm.weight"].dtype == torch.bfloat16
@@ -306,15 +293,13 @@ def test_fp8_weights_are_the_fp8_onnx_weights(all_kinds, tmp_path) -> None:
         scale = initializers[f"{onnx_name}_fp8_scale"].const_value.numpy()
         assert tensors[name.removesuffix("weight") + "weight_scale"].reshape(-1).tolist() == scale.tolist()
     ids = _ids(2)
-    reference = _logits(fused, ids)
-    assert 1e-4 < _rel(deci_logits(out, ids), reference) < 0.15
+    reference = graph_logits(fused, ids)
+    assert 1e-4 < max_abs_relative_error(deci_logits(out, ids), reference) < 0.15
 
 
 def test_fp8_per_tensor_writes_calibrated_input_scales(all_kinds, tmp_path) -> None:
     """--fp8 per-tensor: ModelOpt's "FP8" (scalar weight_scale and input_scale); the input scales are the
     calibration file's for the activation each layer reads."""
-    from passes.quant.calibrate import calibrate
-
     folder, onnx = all_kinds
     scales = calibrate(onnx, [_ids(5, 2, 16)], progress=False)
     scales.save(tmp_path / "scales.json")
@@ -328,21 +313,17 @@ def test_fp8_per_tensor_writes_calibrated_input_scales(all_kinds, tmp_path) -> N
     # q, k and v read the same normalized input: one activation scale for the three
     assert tensors[f"{q}.input_scale"] == tensors["model.layers.0.self_attn.k_proj.input_scale"]
     assert float(tensors[f"{q}.input_scale"]) in {np.float32(v) for v in scales.scales.values()}
-    assert _rel(deci_logits(out, _ids(2)), _logits(onnx, _ids(2))) < 0.15
+    assert max_abs_relative_error(deci_logits(out, _ids(2)), graph_logits(onnx, _ids(2))) < 0.15
 
 
 # ------------------------------------------------------------------------------------------- refusals
 
 
 def load_file_torch(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file as load_torch
-
     return load_torch(str(path))
 
 
 def _with_metadata(onnx: Path, target: Path, key: str, value: dict) -> Path:
-    import onnx as onnx_lib
-
     proto = load_proto(onnx)
     entries = {p.key: p for p in proto.metadata_props}
     if key in entries:
@@ -381,15 +362,11 @@ def test_refusals(all_kinds, tmp_path) -> None:
 
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory) -> tuple[Path, Path]:
+def smollm2(smollm2_hf, tmp_path_factory) -> tuple[Path, Path]:
     """SmolLM2-135M as a Hugging Face folder with attention dropped from layers 13-22, and its graph."""
-    from exporters.hf.folder import save_smollm2
-
-    base = tmp_path_factory.mktemp("nas_smollm2")
-    folder = save_smollm2(base / "hf", drop_attention=range(13, 23))
-    onnx = base / "onnx" / "model.onnx"
-    export_hf(folder, onnx, dtype="float32")
-    return folder, onnx
+    onnx = tmp_path_factory.mktemp("nas_smollm2") / "onnx" / "model.onnx"
+    export_hf(smollm2_hf, onnx, dtype="float32")
+    return smollm2_hf, onnx
 
 
 @pytest.mark.slow
@@ -416,6 +393,6 @@ def test_smollm2_fused_round_trip(smollm2, tmp_path, norm) -> None:
     widths = [b.width for b in find_blocks(load_model(back))]
     assert widths == [1536] * 13 + [7680, 6144] + [1536] * 8
     ids = _ids(0, 2, 12, vocab=49152)
-    expected = _logits(fused, ids)
-    assert _rel(_logits(back, ids), expected) <= 1e-5
-    assert _rel(deci_logits(out, ids), expected) <= 1e-4
+    expected = graph_logits(fused, ids)
+    assert max_abs_relative_error(graph_logits(back, ids), expected) <= 1e-5
+    assert max_abs_relative_error(deci_logits(out, ids), expected) <= 1e-4

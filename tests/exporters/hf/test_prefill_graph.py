@@ -18,9 +18,16 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from exporters.hf.checkpoint import export_hf
+from exporters.hf.config import read_config
+from exporters.hf.data_file import copy_runs, place_weights
+from exporters.hf.rope import rope_parameters
+from exporters.hf.weight_sources import check_folder
 from passes.errors import UserError
+from passes.io.model_io import load_model
+from passes.metadata import HF_METADATA_KEY
 from tests.exporters.hf.test_checkpoint import TOLERANCE, run_onnx, tokens, transformers_logits
 from tests.exporters.hf_fixtures import (
     LLAMA3_ROPE,
@@ -58,12 +65,9 @@ ROPES = {
 @pytest.mark.parametrize("case", list(ROPES))
 def test_rope_tables_match_transformers(tmp_path, case: str, head_dim: int) -> None:
     """config.json -> exporters.hf.config -> exporters.hf.rope (numpy) against transformers' torch tables."""
-    from transformers import LlamaConfig
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-    from exporters.hf.config import read_config
-    from exporters.hf.rope import rope_parameters
+    from transformers import LlamaConfig  # noqa: PLC0415 (transformers: seconds to import; only the RoPE reference needs it)
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: PLC0415 (transformers: seconds to import; only the RoPE reference needs it)
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding  # noqa: PLC0415 (transformers: seconds to import; only the RoPE reference needs it)
 
     hf = LlamaConfig(
         hidden_size=4 * head_dim,
@@ -199,10 +203,6 @@ def test_converted_weights_equal_torch(
     qwen_exports, tiny_nemotron, tmp_path, source: str, dtype: str
 ) -> None:
     """numpy/ml_dtypes conversion (float32 or bfloat16 shards) writes exactly torch's `.to(dtype)`."""
-    from safetensors.torch import load_file
-
-    from passes.io.model_io import load_model
-
     if source == "qwen":
         folder, path = qwen_exports["checkpoint"], qwen_exports[dtype]
     else:
@@ -232,8 +232,6 @@ def test_opset_range(tiny_nemotron, tmp_path) -> None:
 
 def test_metadata_and_names(tiny_nemotron, tmp_path) -> None:
     """The graph's contract: input/output names, dims and dtypes, the metadata key, per-layer node names."""
-    from exporters.hf.checkpoint import METADATA_KEY
-
     path = export_hf(tiny_nemotron, tmp_path / "m" / "model.onnx").path
     proto = onnx.load(str(path), load_external_data=False)
     graph = proto.graph
@@ -247,7 +245,7 @@ def test_metadata_and_names(tiny_nemotron, tmp_path) -> None:
     assert [(v.name, v.type.tensor_type.elem_type, dims(v)) for v in graph.output] == [
         ("logits", onnx.TensorProto.FLOAT, ["batch", "seq", VOCAB])
     ]
-    meta = json.loads({p.key: p.value for p in proto.metadata_props}[METADATA_KEY])
+    meta = json.loads({p.key: p.value for p in proto.metadata_props}[HF_METADATA_KEY])
     assert meta["dtype"] == "bfloat16" and meta["layer_kinds"][2] == "linear+none"
     names = [n.name for n in graph.node]
     assert len(set(names)) == len(names)
@@ -261,12 +259,6 @@ def test_back_to_back_tensors_are_one_kernel_copy(tmp_path) -> None:
     """Tensors whose sizes are multiples of the 4096-byte alignment lie back to back in the data file as in
     their shard, so each shard's run is one copy (exporters.hf.data_file.copy_runs); every byte lands
     where its initializer points."""
-    from safetensors.torch import load_file
-
-    from exporters.hf.data_file import copy_runs, place_weights
-    from exporters.hf.weight_sources import check_folder
-    from passes.io.model_io import load_model
-
     folder = save_llama_family(
         tmp_path / "ckpt", hidden_size=1024, intermediate_size=256, num_hidden_layers=2, max_shard_size="8MB"
     )

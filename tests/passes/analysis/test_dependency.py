@@ -11,12 +11,14 @@ import onnxruntime as ort
 import pytest
 from onnx import numpy_helper
 
+from exporters.spec import BlockSpec, ModelSpec
 from exporters.synthetic import SyntheticSpec, build_synthetic
 from passes.analysis.dependency import analyze, cosine_distance
 from passes.errors import UserError
 from passes.io.model_io import load_model
 from passes.model_map import find_blocks
 from passes.run.block_runner import BlockRunner
+from tests.artifacts import spec_export
 
 BLOCKS = [(True, 48), (False, 64), (False, 40), (False, 56), (True, 32), (False, 48)]
 
@@ -138,9 +140,7 @@ def test_cosine_distance_zero_vectors():
 @pytest.fixture(scope="session")
 def exported(tmp_path_factory):
     torch = pytest.importorskip("torch")
-    from exporters.llama import build_model
-    from exporters.spec import BlockSpec, ModelSpec
-    from tests.artifacts import spec_export
+    from exporters.llama import build_model  # noqa: PLC0415 (imports torch: only this fixture needs it)
 
     spec = ModelSpec(
         hidden=32,

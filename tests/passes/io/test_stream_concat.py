@@ -3,6 +3,7 @@ against a plain numpy concatenation."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import io
 import itertools
@@ -219,8 +220,6 @@ def test_bfloat16_fold_equals_numpy_bit_for_bit(half_path, request, cols):
     """Every bfloat16 bit pattern times scales that round, overflow and underflow: scale_rows (the C module,
     or numpy with ml_dtypes) gives numpy's bits, bfloat16(float32(w) * float32(g)) (a NaN: 0x7FC0 with its
     sign), on rows and on columns, contiguous or a view, with a tail shorter than 8 lanes."""
-    import ml_dtypes
-
     bits = np.arange(1 << 16, dtype=np.uint16).view(ml_dtypes.bfloat16).reshape(256, 256)[:, :cols]
     specials = [1.0, 1 / 3, 1.00390625, -0.7, 0.0, -0.0, 1e-30, 3e-39, 1e-45, 3e38, np.inf]
     rng = np.random.default_rng(8)
@@ -249,8 +248,6 @@ def test_a_chunks_blocks_are_scaled_together_as_each_alone(monkeypatch, half_pat
     it lies). A view whose rows are not contiguous through a copy, in ONNX Runtime either way; the others
     (bfloat16, float32, a NaN scale) in numpy, a None scale left alone: each block's bits as numpy gives
     them, the columns around the views untouched."""
-    import ml_dtypes
-
     rng = np.random.default_rng(3)
     runs = []
     fold = stream_concat._half_fold
@@ -614,8 +611,6 @@ def test_no_write_call_copies_more_than_write_bytes(tmp_path, monkeypatch):
 def test_chunk_buffers_are_reused_per_thread_and_grow():
     """A thread builds chunk after chunk in the same buffer (new memory per chunk faulted in every page
     again); a larger chunk grows it; threads never share one."""
-    import concurrent.futures
-
     first = tensor_writer.chunk_buffer(100)
     assert tensor_writer.chunk_buffer(50) is first and first.nbytes >= tensor_writer.BUFFER_BYTES
     grown = tensor_writer.chunk_buffer(first.nbytes + 1)

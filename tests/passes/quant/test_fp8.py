@@ -10,6 +10,7 @@ import ml_dtypes
 import numpy as np
 import onnx
 import onnx_ir as ir
+import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
@@ -18,7 +19,7 @@ from passes.io.model_io import load_model, save_model
 from passes.io.sessions import ORT_DISABLED_OPTIMIZERS
 from passes.patterns.linear import find_linears
 from passes.quant.calibrate import FP8_MAX, ActivationScales, _AbsStats, calibrate, tokens_sha256
-from passes.quant.fp8 import quantize_fp8
+from passes.quant.fp8 import quantize_fp8, source_weight_name
 from tests import fp8_fixtures as fx
 
 MODEL_KINDS = ["tiny_llama", "wide_ffn"]  # add a fused-model kind here once fx.MODELS has one
@@ -76,8 +77,6 @@ def test_calibrate_scales_are_amax_over_448(tmp_path_factory, scales_by_kind):
     names = {lin.activation.name for lin in find_linears(load_model(path).graph)}
     assert set(scales.scales) == names  # the lm_head input included
     # independent amax: run the temporary-copy trick by hand with onnx + ORT
-    import onnxruntime as ort
-
     proto = onnx.load(str(path))
     name = sorted(names)[0]
     proto.graph.output.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, None))
@@ -242,8 +241,6 @@ def _hand_built(path: Path) -> Path:
 
 
 def test_weights_through_transpose_and_cast(tmp_path):
-    import onnxruntime as ort
-
     src = _hand_built(tmp_path / "hand.onnx")
     rng = np.random.default_rng(1)
     batches = [rng.standard_normal((64, 16)).astype(np.float32) for _ in range(3)]
@@ -343,3 +340,12 @@ def test_a_quantized_weight_prints_without_evaluating(tmp_path):
     (fp8,) = [v for k, v in model.graph.initializers.items() if k.endswith("_fp8")]
     assert repr(fp8.const_value) == "_FP8Weight('w_fp8', [8, 4], from 'w')"
     assert "w_fp8" in str(fp8) and "mm" in str(model.graph)
+
+
+@pytest.mark.parametrize(
+    ("name", "source"),
+    [("w_fp8", "w"), ("w_fp8_2", "w"), ("a_fp8_b_fp8", "a_fp8_b"), ("w_fp8x", "w_fp8x"), ("w", "w")],
+)
+def test_source_weight_name_undoes_the_pass_naming(name, source):
+    """A float8 weight is `<source>_fp8`, `_fp8_<k>` on a clash; any other name is its own."""
+    assert source_weight_name(name) == source

@@ -9,6 +9,8 @@ import pytest
 from exporters.synthetic import SyntheticSpec, build_synthetic
 from passes import reference
 from passes.analysis.dependency import analyze
+from passes.pipeline import fuse_file
+from passes.plan import Plan
 from passes.run import block_runner as runner
 from passes.run.block_runner import BlockRunner
 from tests.passes.run.live_sessions import LiveSessions
@@ -69,9 +71,6 @@ def test_streaming_capture_keeps_what_is_asked(model, monkeypatch):
 def test_streamed_logits_of_a_fused_model_never_load_a_large_block(model, tmp_path, monkeypatch, mode):
     """A fused block holds its whole group's weights: above LARGE_FFN_BYTES, model_logits evaluates it
     from its weights a row block at a time (float64 reference), including after an attention sub-block."""
-    from passes.pipeline import fuse_file
-    from passes.plan import Plan
-
     fused = fuse_file(model, Plan(((1, 3),), mode), tmp_path / "fused.onnx").output
     tokens = np.random.default_rng(3).integers(0, 64, (2, 9))
     whole = runner.model_logits(fused, tokens)

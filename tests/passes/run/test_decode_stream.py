@@ -10,9 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from exporters.hf.checkpoint import export_hf
 from passes.error_measures import max_abs_relative_error
 from passes.errors import UserError
 from passes.io.model_io import load_model, save_model
+from passes.pipeline import fuse_file
+from passes.plan import parse_plan
 from passes.run import decode_stream
 from passes.run.decode_stream import DecodeCall, DecodeStreamer
 from runtime.generate import DecodeModel
@@ -82,7 +85,7 @@ def test_fused_decode_streams_with_the_source_layer_caches(tmp_path_factory, mon
 
 
 def test_nemotron_nas_decode_streams(tmp_path_factory, monkeypatch):
-    from tests.exporters.hf_fixtures import PUZZLE_CACHE_HEADS, PUZZLE_VOCAB, puzzle_models
+    from tests.exporters.hf_fixtures import PUZZLE_CACHE_HEADS, PUZZLE_VOCAB, puzzle_models  # noqa: PLC0415 (imports torch: only this test needs it)
 
     path = puzzle_models(tmp_path_factory.getbasetemp(), "decode")
     streamer = _assert_same(path, PUZZLE_VOCAB, monkeypatch)
@@ -114,10 +117,7 @@ def test_a_cache_another_block_writes_is_named(tmp_path_factory, tmp_path):
 
 @pytest.mark.slow  # a Hugging Face folder saved and exported: 3 s, 11 s when transformers is not imported yet
 def test_parallel_group_of_a_decode_graph_streams_as_one_cut(tmp_path, monkeypatch):
-    from exporters.hf.checkpoint import export_hf
-    from passes.pipeline import fuse_file
-    from passes.plan import parse_plan
-    from tests.exporters.hf_fixtures import save_llama_family
+    from tests.exporters.hf_fixtures import save_llama_family  # noqa: PLC0415 (imports torch: only this test needs it)
 
     folder = save_llama_family(tmp_path / "hf", num_hidden_layers=4)
     export_hf(folder, tmp_path / "decode" / "model.onnx", dtype="float32", decode=True)

@@ -23,6 +23,7 @@ import pytest
 from passes.error_measures import max_abs_relative_error
 from passes.graph_inputs import Signature
 from passes.io.data_files import data_file_names
+from passes.io.model_io import load_model, save_model
 from passes.shard import shard_file
 from runtime.tp.ort import run_simulated
 from tests.corpora.fixtures import third_party_corpus  # noqa: F401
@@ -91,8 +92,6 @@ def test_genai_int4_shards_by_quantization_blocks(third_party_corpus, tmp_path: 
     """GenAI int4 (MatMulNBits, block 32, packed qkv): rows along N, whole blocks along K (head_dim 64 is two
     blocks). The weights' math is exact; ONNX Runtime's int8 activation path (accuracy_level 4) is not
     split-invariant (3.8e-2 here, itself 1.2e-1 from fp32 compute), so both sides compute in fp32."""
-    from passes.io.model_io import load_model, save_model
-
     def fp32_compute(source: Path, target: Path) -> Path:
         model = load_model(source)
         for node in model.graph:

@@ -16,6 +16,7 @@ import numpy as np
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
+from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
 from passes.error_measures import max_abs_relative_error
 from passes.errors import UserError
@@ -218,8 +219,6 @@ def test_linear_layers_outside_the_walked_branches_are_refused(form, tmp_path: P
 def test_matmulnbits_misfits_are_one_line(form, tmp_path: Path, symmetric: bool, why: str) -> None:
     """int4 weights from ONNX Runtime's own MatMulNBits quantizer: zero points are refused, and so is a
     K split (o_proj: 6 heads of 8 rows at tp=2) that does not fall on 32-row quantization blocks."""
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-
     quantizer = MatMulNBitsQuantizer(
         str(form("dynamo_repeat")), bits=4, block_size=32, is_symmetric=symmetric
     )

@@ -21,6 +21,9 @@ import pytest
 from passes.error_measures import max_abs_relative_error
 from passes.errors import UserError
 from passes.io.data_files import data_file_names
+from passes.io.model_io import load_model, save_model
+from passes.quant.calibrate import calibrate
+from passes.quant.fp8 import quantize_fp8
 from passes.shard import (
     COLLECTIVE_DOMAIN,
     count_allreduces,
@@ -30,6 +33,8 @@ from passes.shard import (
     shard_file,
     shard_in_memory,
 )
+from passes.shard.roles import find_structure
+from runtime.backends import OrtBackend, TpThreadsBackend
 from runtime.bench.sharders import TOLERANCE, small_models
 from runtime.tp.ort import run_simulated
 from tests import decode_fixtures
@@ -64,10 +69,10 @@ def _export_models(folder: Path) -> None:
 
 
 def export_hf_llama(path: Path) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import torch  # noqa: PLC0415 (torch: seconds to import; only when the model is not cached)
+    from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415 (transformers: seconds to import; only when the model is not cached)
 
-    from exporters.onnx_export import export_onnx
+    from exporters.onnx_export import export_onnx  # noqa: PLC0415 (imports torch: only when the model is not cached)
 
     config = LlamaConfig(
         hidden_size=64,
@@ -169,8 +174,6 @@ def test_gqa_rank_keeps_the_kv_head_its_queries_use(models: TpModels, tmp_path: 
 
 
 def _projection_names(model: ir.Model) -> dict[str, str]:
-    from passes.shard.roles import find_structure
-
     branch = find_structure(model).attention[0]
     refs = {"q": branch.q, "k": branch.k, "v": branch.v, "o": branch.row}
     return {role: ref.source.name for role, ref in refs.items()}
@@ -217,8 +220,6 @@ def test_rank_graph_layout_and_manifest(models: TpModels, tmp_path: Path) -> Non
 def test_padding_is_zero_and_exact(models: TpModels) -> None:
     model = ir.load(models.fused)
     shard_in_memory(model, 8, 7)  # last rank: columns 189..215 of a 212-wide FFN, 3 of them padding
-    from passes.shard.roles import find_structure
-
     widths = {}
     for node in model.graph:
         if node.op_type == "MatMul" and node.inputs[1].const_value is not None:
@@ -286,9 +287,6 @@ def decode_models(tmp_path_factory: pytest.TempPathFactory):
     def get(name: str) -> Path:
         if name != "decode_fused_fp8":
             return decode_fixtures.decode_models(name)
-        from passes.io.model_io import load_model, save_model
-        from passes.quant.calibrate import calibrate
-        from passes.quant.fp8 import quantize_fp8
 
         path = base / "tp_models" / "tiny_decode_fused_fp8.onnx"
         if not path.exists():
@@ -348,8 +346,6 @@ def test_decode_graph_ranks_match_single_device(
     """Prefill of 5 tokens + 3 cached decode steps on the rank graphs (one thread per rank) equal the
     single-device decode graph: logits and every rank's share of the KV cache. tp=2 splits the 2 KV heads,
     tp=4 replicates each over the 2 ranks whose queries use it."""
-    from runtime.backends import OrtBackend, TpThreadsBackend
-
     model = decode_models(which)
     report = shard_file(model, tp, tmp_path / "out", progress=False)
     assert report.allreduces_per_forward == count_allreduces(model)
@@ -411,9 +407,6 @@ def test_decode_rank_graph_interface(decode_models, tmp_path: Path) -> None:
 def test_decode_batch_read_from_a_past_input(decode_models, tmp_path: Path) -> None:
     """The dynamo exporter may take the batch size from Shape(past_key_L) (seen in the 80-block
     Super-49B-pattern decode graph): a cache input that Shape nodes also read is still a cache."""
-    from passes.io.model_io import save_model
-    from runtime.backends import OrtBackend, TpThreadsBackend
-
     model = ir.load(decode_models("decode"))
     past = next(v for v in model.graph.inputs if v.name == "past_key_4")
     shape = next(
@@ -433,8 +426,6 @@ def test_decode_batch_read_from_a_past_input(decode_models, tmp_path: Path) -> N
 
 
 def test_decode_cache_roles_found_by_structure(decode_models) -> None:
-    from passes.shard.roles import find_structure
-
     structure = find_structure(ir.load(decode_models("decode")))
     caches = [(c.past.name, c.kind, c.present.name) for b in structure.attention for c in b.caches]
     assert caches == [

@@ -13,6 +13,7 @@ from runtime.heal.costs import HealedCosts
 from runtime.heal.distill import heal
 from runtime.heal.metadata import HealConfig
 from runtime.text_sets import windows
+from tests.corpora.third_party import drop_attention
 
 
 def test_original_inputs_mode_and_measure_only(synthetic):
@@ -46,8 +47,6 @@ def test_heal_a_group_ending_at_the_last_block_of_a_skip_norm_graph(third_party_
     """ONNX Runtime's optimizer fuses the last residual add into the final SkipSimplifiedLayerNormalization,
     whose sum (output 3) is unnamed: the last block's stream out comes from BlockRunner's cut (issue 9).
     The corpus entry with attention also dropped from 23-29, so that a group can end at block 29."""
-    from tests.corpora.third_party import drop_attention
-
     original = drop_attention(third_party_corpus["ort-optimizer"], tmp_path / "m.onnx", range(23, 30))
     fused = fuse_file(original, Plan(((27, 29),), "last"), tmp_path / "f.onnx", validate_output=False).output
     ids = np.random.default_rng(3).integers(0, 49152, size=(4, 16))

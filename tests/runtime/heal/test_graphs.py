@@ -9,18 +9,19 @@ from pathlib import Path
 
 import numpy as np
 import onnx_ir as ir
-import onnxruntime as ort
 import pytest
 
 from passes.graph_inputs import Signature
 from passes.io.model_io import load_model, save_model
+from passes.metadata import HEAL_METADATA_KEY
 from passes.pipeline import fuse_file
 from passes.plan import Plan
 from runtime.generate import DecodeModel, greedy_generate
-from runtime.heal.metadata import HEAL_METADATA_KEY, HealConfig
+from runtime.heal.metadata import HealConfig
 from runtime.heal.report import run_heal
 from tests import decode_fixtures
 from tests.artifacts import spec_export
+from tests.run_graph import graph_logits
 
 SMALL = HealConfig(steps=4, lr=1e-3, batch_tokens=256)
 PROMPT = [17, 41, 8, 60, 22, 9, 33]
@@ -29,12 +30,6 @@ PROMPT = [17, 41, 8, 60, 22, 9, 33]
 def _ids(path: Path, count: int, seed: int) -> Path:
     np.save(path, np.random.default_rng(seed).integers(4, decode_fixtures.tiny_spec().vocab, count))
     return path
-
-
-def logits(path: Path, ids: np.ndarray) -> np.ndarray:
-    session = ort.InferenceSession(str(path))
-    signature = Signature.of(session)
-    return session.run([signature.logits.name], signature.feeds(ids))[0]
 
 
 def fix_dims(source: Path, target: Path, batch: int | None = None, seq: int | None = None) -> Path:
@@ -88,15 +83,15 @@ def test_decode_graph_takes_the_prefill_heal(tiny_models, healed, tool):
     assert written["weights_from"] == printed["weights_from"]
 
     ids = np.array([PROMPT])
-    healed_prefill, healed_decode = logits(report.result.output, ids), logits(out, ids)
-    fused = logits(tiny_models("prefill_fused"), ids)
+    healed_prefill, healed_decode = graph_logits(report.result.output, ids), graph_logits(out, ids)
+    fused = graph_logits(tiny_models("prefill_fused"), ids)
     assert np.abs(healed_decode - healed_prefill).max() <= 1e-5 * np.abs(healed_prefill).max()
     assert np.abs(healed_prefill - fused).max() > 1e-3 * np.abs(fused).max()  # the weights did change
 
     generated = greedy_generate(DecodeModel.open(out), [PROMPT], 6).tokens[0]
     sequence = list(PROMPT)
     for _ in range(6):
-        sequence.append(int(logits(report.result.output, np.array([sequence]))[0, -1].argmax()))
+        sequence.append(int(graph_logits(report.result.output, np.array([sequence]))[0, -1].argmax()))
     assert list(generated) == sequence[len(PROMPT) :]
 
 

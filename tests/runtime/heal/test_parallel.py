@@ -9,46 +9,34 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import onnx
 import pytest
 import torch
 
 from exporters.llama import build_model
 from exporters.spec import BlockSpec, ModelSpec
-from passes.graph_inputs import Signature
+from passes.error_measures import l2_relative_error
 from passes.io.model_io import load_model
-from passes.io.sessions import open_session
+from passes.metadata import HEAL_METADATA_KEY
 from passes.model_map import find_blocks
 from passes.pipeline import fuse_file
 from passes.plan import parse_plan
 from runtime.heal.distill import heal
 from runtime.heal.ffn import GroupWeights
-from runtime.heal.metadata import HEAL_METADATA_KEY
 from runtime.heal.report import run_heal
 from runtime.text_sets import windows
+from tests.artifacts import spec_export
 from tests.passes.test_parallel import PLAN, SEED, spec
+from tests.run_graph import graph_logits
 from tests.runtime.heal.synthetic import assert_one_line_error
 from tests.torch_reference import parallel_blocks_model, parallel_model
 
 IDS = np.random.default_rng(5).integers(0, 96, size=(2, 24))
 
 
-def logits(path, ids: np.ndarray = IDS) -> np.ndarray:
-    proto = onnx.load(str(path), load_external_data=False)
-    signature = Signature.of(proto)
-    return open_session(proto, folder=path.parent).run([signature.logits.name], signature.feeds(ids))[0]
-
-
-def rel(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-
 @pytest.fixture(scope="module")
 def healed(tmp_path_factory):
     """(folder, report): the tiny model (prefill and decode graphs) fused with PLAN, the prefill graph healed
     with the defaults (the closed-form refit) on 2048 random tokens."""
-    from tests.artifacts import spec_export
-
     folder = tmp_path_factory.mktemp("heal_parallel")
     spec_export(spec(), folder / "prefill.onnx", seed=SEED)
     spec_export(spec(), folder / "decode.onnx", seed=SEED, decode=True)
@@ -110,9 +98,10 @@ def test_healed_logits_equal_torch_reference(healed):
     parallel_blocks_model(model, [(0, 2)])
     with torch.no_grad():
         reference = model(torch.from_numpy(IDS)).numpy()
-    got = logits(report.result.output)
-    assert rel(got, reference) < 1e-4
-    assert rel(logits(folder / "prefill.fused.onnx"), reference) > 1e-2  # healing changed the model
+    got = graph_logits(report.result.output, IDS)
+    assert l2_relative_error(got, reference) < 1e-4
+    unhealed = graph_logits(folder / "prefill.fused.onnx", IDS)
+    assert l2_relative_error(unhealed, reference) > 1e-2  # healing changed the model
 
 
 def test_decode_graph_takes_the_prefill_heal(healed, tool):
@@ -123,8 +112,9 @@ def test_decode_graph_takes_the_prefill_heal(healed, tool):
                   report.result.output, *args)
     assert result.returncode == 0, result.stderr
     assert "parallel group [0, 2]" in result.stdout and "weights taken from" in result.stdout
-    assert rel(logits(out), logits(report.result.output)) < 1e-5
-    assert rel(logits(folder / "decode.fused.onnx"), logits(report.result.output)) > 1e-2
+    assert l2_relative_error(graph_logits(out, IDS), graph_logits(report.result.output, IDS)) < 1e-5
+    unhealed = graph_logits(folder / "decode.fused.onnx", IDS)
+    assert l2_relative_error(unhealed, graph_logits(report.result.output, IDS)) > 1e-2
 
 
 def test_parallel_only_plan_heals_and_wrong_original_is_refused(healed, tool, tmp_path):
@@ -134,8 +124,6 @@ def test_parallel_only_plan_heals_and_wrong_original_is_refused(healed, tool, tm
     (group,) = heal(folder / "prefill.onnx", fused.output, calib, held, None).groups
     assert group.group == (1, 3) and group.kind == "parallel"
     assert group.heldout_after < group.heldout_before, group.line()
-    from tests.artifacts import spec_export
-
     other = tmp_path / "other.onnx"
     spec_export(spec(), other, seed=SEED + 1)
     cases = {
@@ -150,8 +138,6 @@ def test_parallel_only_plan_heals_and_wrong_original_is_refused(healed, tool, tm
 def test_parallel_group_after_an_ffn_group_heals(tmp_path):
     """The fused graph numbers a parallel group after an FFN group in its own blocks ([0, 1] fused -> the
     parallel [2, 4] is the fused graph's [1, 3]); healing finds it there."""
-    from tests.artifacts import spec_export
-
     attention, widths = [True, False, True, True, True], [64, 48, 80, 56, 72]
     blocks = [BlockSpec(a, w) for a, w in zip(attention, widths, strict=True)]
     model = tmp_path / "m.onnx"

@@ -22,7 +22,7 @@ GROUP = (2, 5)  # full blocks in the corpus model (attention is dropped from 13-
 
 
 def test_optimum_parallel_group_heals(third_party_corpus, corpus_hf, tmp_path):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415 (transformers: seconds to import; only the corpus reference needs it)
 
     original = third_party_corpus["optimum"]
     plan = parse_plan({"parallel_blocks": [list(GROUP)]})

@@ -18,7 +18,7 @@ LAYERS = 6
 def write_tiny_llama(folder: Path, seed: int = 0, layers: int = LAYERS) -> Path:
     """LlamaForCausalLM (hidden 64, 4 heads, 2 KV heads, SwiGLU 256, untied) with random weights, float32,
     written by save_pretrained (model.safetensors)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415 (transformers: seconds to import; only when a Llama folder is written)
 
     torch.manual_seed(seed)
     config = LlamaConfig(hidden_size=64, intermediate_size=256, num_hidden_layers=layers,

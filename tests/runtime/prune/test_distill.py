@@ -65,7 +65,7 @@ def test_linear_replacement_and_end_to_end(model) -> None:
 
 
 def test_tradeoff_points(model, tmp_path) -> None:
-    """prune_attention.py --frontier: one point per count, each the importance's choice, surgery and refit
+    """prune_attention.py --tradeoff: one point per count, each the importance's choice, surgery and refit
     scored on the same held-out text against the same unpruned perplexity."""
     importance = attention_importance(model, windows(5, rows=2, seq=32), batch=2)
     held = [TextSet("held", windows(9, 4), ())]

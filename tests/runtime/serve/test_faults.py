@@ -383,7 +383,7 @@ def test_a_tp_rank_killed_or_stopped_fails_every_client_and_the_server_exits(tp2
     heartbeat finds a stopped rank in seconds (not at --rank-timeout), the message names that rank (not
     rank 0 waiting for it in an all-reduce), every client gets an error, and with --on-fatal exit (the
     default) the server exits 1 with one `error:` line, leaving no rank process behind."""
-    import psutil
+    import psutil  # noqa: PLC0415 (psutil: only the two TP rank tests need it)
 
     process, url, _ = wait_healthy(
         *launch_cli(
@@ -442,7 +442,7 @@ def test_a_tp_server_whose_ranks_are_gone_exits_on_sigterm(tp2_folder):
     ranks): the server exits within seconds with 1 and an `error:` line naming the rank (--on-fatal exit,
     the default: a supervisor must know the model was lost, the drain does not turn it into 0), and no
     process is left behind."""
-    import psutil
+    import psutil  # noqa: PLC0415 (psutil: only the two TP rank tests need it)
 
     process, url, _ = wait_healthy(
         *launch_cli(str(tp2_folder), "--model-name", "tiny_decode", "--log-level", "warning")

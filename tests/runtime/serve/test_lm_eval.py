@@ -77,13 +77,13 @@ def largest_difference(a: list[list[float]], b: list[list[float]]) -> float:
 def hf_references(hf: Path, task: Path, groups) -> dict[str, list[dict]]:
     """lm-eval's `hf` backend in this process on the folder's model: as it is ("original"), then with
     `groups` replaced by their parallel sums ("fused"; the same model object, changed in place)."""
-    import torch  # heavy imports: only for this reference
-    from lm_eval import simple_evaluate
-    from lm_eval.models.huggingface import HFLM
-    from lm_eval.tasks import TaskManager
-    from transformers import AutoModelForCausalLM
+    import torch  # noqa: PLC0415 (torch: seconds to import; only this reference needs it)
+    from lm_eval import simple_evaluate  # noqa: PLC0415 (lm_eval: seconds to import; only this reference needs it)
+    from lm_eval.models.huggingface import HFLM  # noqa: PLC0415 (lm_eval: seconds to import; only this reference needs it)
+    from lm_eval.tasks import TaskManager  # noqa: PLC0415 (lm_eval: seconds to import; only this reference needs it)
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415 (transformers: seconds to import; only this reference needs it)
 
-    from tests.torch_reference import parallel_model
+    from tests.torch_reference import parallel_model  # noqa: PLC0415 (imports torch: only this reference needs it)
 
     model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
     lm = HFLM(pretrained=model, tokenizer=str(hf), batch_size=8, device="cpu")

@@ -11,6 +11,7 @@ import openai
 import pytest
 import torch
 
+from exporters.smollm2_tokenizer import load_tokenizer
 from runtime.serve import loading
 from runtime.serve.server import ServerThread
 from tests import serve_fixtures as sf
@@ -51,8 +52,7 @@ def test_smollm2_greedy_text_equals_transformers(smollm2_decode_onnx):
     """The pruned SmolLM2 decode graph served as a bare ONNX file (the GGUF tokenizer, found by vocabulary):
     greedy completions and chat replies equal transformers' greedy generation of the same model, alone,
     streamed, and among 8 concurrent clients."""
-    from exporters import smollm2  # imports transformers: only when this slow test runs
-    from exporters.smollm2_tokenizer import load_tokenizer
+    from exporters import smollm2  # noqa: PLC0415 (imports transformers: only when this slow test runs)
 
     hf, tokenizer = smollm2.load_pruned(), load_tokenizer()
     prompts = [
@@ -108,7 +108,7 @@ def test_smollm2_greedy_text_equals_transformers(smollm2_decode_onnx):
 
 @pytest.fixture(scope="module")
 def corpus_reference(corpus_hf):
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy: only for the corpus tests
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415 (transformers: seconds to import; only for the corpus tests)
 
     model = AutoModelForCausalLM.from_pretrained(corpus_hf, dtype=torch.float32).eval()
     return model, AutoTokenizer.from_pretrained(corpus_hf)

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from runtime.tp.gloo import die_with_parent
+
 ROOT = Path(__file__).resolve().parents[3]
 PARENT = """
 import multiprocessing as mp, sys
@@ -25,8 +27,6 @@ for p in ranks:
 
 
 def rank(folder: str) -> None:
-    from runtime.tp.gloo import die_with_parent
-
     die_with_parent()
     (Path(folder) / str(os.getpid())).touch()
     time.sleep(120)  # as a rank waiting in a collective

@@ -12,9 +12,15 @@ import numpy as np
 import onnx
 import pytest
 
+from exporters.hf.checkpoint import export_hf
 from passes.error_measures import max_abs_relative_error
+from passes.pipeline import fuse_file
+from passes.plan import Plan
 from passes.shard import count_allreduces, shard_file
+from passes.shard.partition import HeadPlan
 from runtime.tp.ort import RankProgram, run_simulated, split_rank_graph
+from runtime.tp.trt import build_rank_engines
+from tests import shard_forms
 from tests.passes.shard.test_shard import TOLERANCE, TpModels, build_models, single_device, tokens
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -80,10 +86,7 @@ SMOLLM2_HEADS_VOCAB = 160
 @pytest.fixture(scope="module")
 def smollm2_heads(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(unfused, fused): the SmolLM2-headed model and its attention-free run fused in two groups."""
-    from exporters.hf.checkpoint import export_hf
-    from exporters.hf.synthetic import deci_block, nemotron_config, write_nemotron
-    from passes.pipeline import fuse_file
-    from passes.plan import Plan
+    from exporters.hf.synthetic import deci_block, nemotron_config, write_nemotron  # noqa: PLC0415 (imports torch: only this fixture needs it)
 
     blocks = [deci_block(3 if attention else "no_op", 1.0) for attention in SMOLLM2_HEADS_ATTENTION]
     base = tmp_path_factory.mktemp("smollm2_heads")
@@ -95,8 +98,6 @@ def smollm2_heads(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]
 
 def _over_gloo(sources: list[Path], tp: int, tmp_path: Path) -> list[float]:
     """Shard each source at `tp`, run all of them in one torchrun launch, return the relative errors."""
-    from passes.shard.partition import HeadPlan
-
     ids = np.random.default_rng(tp).integers(0, SMOLLM2_HEADS_VOCAB, (2, 9)).astype(np.int64)
     np.save(tmp_path / "ids.npy", ids)
     dirs = [tmp_path / f"{m.stem}_tp{tp}" for m in sources]
@@ -133,8 +134,6 @@ def test_smollm2_heads_tp2_tp4_over_gloo(smollm2_heads: tuple[Path, Path], tmp_p
 def test_attention_forms_over_gloo(tmp_path: Path) -> None:
     """Every third-party attention form (tests/shard_forms.py, 9 heads / 3 KV heads) at tp=4 in one
     torchrun launch: Where masks, packed qkv, opset-23 Attention, TorchScript, ORT's Skip norms."""
-    from tests import shard_forms
-
     sources = [shard_forms.forms_model(name) for name in shard_forms.FORMS]
     ids = np.random.default_rng(3).integers(0, shard_forms.VOCAB, (2, 7)).astype(np.int64)
     np.save(tmp_path / "ids.npy", ids)
@@ -197,8 +196,6 @@ def test_runs_polygraphy_rank_graphs(models: TpModels, tmp_path: Path) -> None:
 def test_rank_graphs_build_with_tensorrt_rtx(models: TpModels, tmp_path: Path) -> None:
     """Each rank's FP8 graph (strongly typed Q/DQ + DistCollective) parses and builds for sm89."""
     pytest.importorskip("tensorrt_rtx")
-    from runtime.tp.trt import build_rank_engines
-
     shard_file(models.fused_fp8, 2, tmp_path / "tp2", progress=False)
     builds = build_rank_engines(tmp_path / "tp2", batch=(1, 1, 2), seq=(1, 16, 64))
     assert [b.rank for b in builds] == [0, 1]

@@ -13,12 +13,23 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 
+from exporters.hf.checkpoint import export_hf
+from exporters.hf.safetensors_in import numpy_dtype, open_checkpoint
+from exporters.hf.synthetic import write_all_kinds
+from exporters.nas.export import export_checkpoint
+from exporters.synthetic import SyntheticSpec, build_synthetic
 from passes.io.model_io import load_model, save_model
+from passes.metadata import HEAL_METADATA_KEY
+from passes.model_map import find_blocks
+from passes.pipeline import fuse_file
+from passes.plan import parse_plan
 from passes.quant.calibrate import calibrate
 from passes.shard import shard_file
 from runtime.deploy import quantize_file
+from runtime.heal.metadata import TENSOR_HASHES_KEY
+from runtime.verify.common import tensor_sha256
 from tests import decode_fixtures
-from tests.runtime.heal.synthetic import healed_model
+from tests.runtime.heal.synthetic import BLOCKS, healed_model
 
 
 def healed_artifacts(tmp_path_factory) -> dict[str, Path]:
@@ -52,14 +63,6 @@ def parallel_artifacts(folder: Path) -> dict[str, Path]:
     """{"original", "healed"}: the heal tests' synthetic model fused with FFN group [1, 2] and parallel group
     [3, 4] (blocks 2-3 of the fused graph), carrying a heal record of the parallel members' FFN weights: a
     healed graph's form without a heal's 20 s (a real parallel heal: tests/runtime/heal/test_parallel.py)."""
-    from exporters.synthetic import SyntheticSpec, build_synthetic
-    from passes.model_map import find_blocks
-    from passes.pipeline import fuse_file
-    from passes.plan import parse_plan
-    from runtime.heal.metadata import HEAL_METADATA_KEY, TENSOR_HASHES_KEY
-    from runtime.verify.common import tensor_sha256
-    from tests.runtime.heal.synthetic import BLOCKS
-
     original = build_synthetic(SyntheticSpec(hidden=32, blocks=BLOCKS, seed=5), folder / "m.onnx")
     plan = parse_plan({"groups": [[1, 2]], "parallel_blocks": [[3, 4]]})
     model = load_model(fuse_file(original, plan, folder / "m.fused.onnx").output)
@@ -82,12 +85,6 @@ def checkpoint_artifacts(tmp_path_factory) -> dict[str, Path]:
     quantize_file), and the fused graph exported as a Nemotron-NAS checkpoint in float32, bfloat16 and FP8
     (per-channel, and per-tensor with the calibration's activation scales)."""
     if not _checkpoints:
-        from exporters.hf.checkpoint import export_hf
-        from exporters.hf.synthetic import write_all_kinds
-        from exporters.nas.export import export_checkpoint
-        from passes.pipeline import fuse_file
-        from passes.plan import parse_plan
-
         base = tmp_path_factory.mktemp("verify_checkpoint")
         source = write_all_kinds(base / "ckpt", seed=7, vocab=96)
         graph = base / "onnx" / "model.onnx"
@@ -111,8 +108,6 @@ def checkpoint_artifacts(tmp_path_factory) -> dict[str, Path]:
 def tampered_checkpoint(source: Path, target: Path, name: str, change) -> Path:
     """A copy of the checkpoint folder `source` whose safetensors tensor `name` holds change(its array),
     written in place in its shard."""
-    from exporters.hf.safetensors_in import numpy_dtype, open_checkpoint
-
     shutil.copytree(source, target)
     entry = open_checkpoint(target).tensors[name]
     with open(entry.file, "r+b") as f:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from passes.errors import UserError
+from passes.run import block_runner
 from runtime.verify import artifact_kind, verify_artifact
 from tests.runtime.verify.artifacts import tampered_checkpoint
 
@@ -152,8 +153,6 @@ def test_a_folder_no_stage_wrote_is_refused(checkpoints):
 def test_logits_run_block_by_block_above_the_streaming_bound(checkpoints, monkeypatch):
     """Above block_runner.STREAMING_BYTES of weights (here: any), both logits runs stream one block at a
     time (model_logits) and still agree within 1e-5."""
-    from passes.run import block_runner
-
     streamed = []
 
     class Recorded(block_runner.BlockRunner):
@@ -173,8 +172,6 @@ def test_per_channel_fp8_checkpoint_logits_stream_above_the_bound(checkpoints, m
     into float initializers written band by band) is a float graph: above STREAMING_BYTES (here: any) it
     runs block by block like the re-import, in one pass with ORIGINAL as it runs (cut by the reference's
     blocks); the check passes with the same bound, nothing runs whole."""
-    from passes.run import block_runner
-
     opened = []
 
     class Recorded(block_runner.BlockRunner):

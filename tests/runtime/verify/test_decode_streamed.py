@@ -13,6 +13,7 @@ from runtime.verify import VerifyOptions, verify_artifact
 from runtime.verify.decode import verify_decode
 from runtime.verify.records import VerifyReport
 from tests import decode_fixtures
+from tests.exporters.hf_fixtures import puzzle_models
 from tests.passes.run.test_decode_stream import swapped_outputs
 from tests.runtime.verify.artifacts import tampered
 
@@ -58,8 +59,6 @@ def test_tiny_and_fused_decode_streamed_as_whole(tiny, tmp_path_factory, monkeyp
 
 
 def test_nemotron_nas_decode_streamed_as_whole(tmp_path_factory, monkeypatch):
-    from tests.exporters.hf_fixtures import puzzle_models
-
     base = tmp_path_factory.getbasetemp()
     _whole_and_streamed(puzzle_models(base, "prefill"), puzzle_models(base, "decode"), monkeypatch)
 

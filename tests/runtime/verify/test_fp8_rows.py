@@ -1,8 +1,8 @@
-"""The FP8 check's fused-group blocks from their rows (runtime/verify/fp8.py `_fp8_from_rows`): with
-STREAMING_BYTES and LARGE_FFN_BYTES forced to 0 every FFN block of the FP8 graph is evaluated by
-passes/reference.py on FP8Weights (activation Q/DQ, float8 rows dequantized a row block at a time) instead of
-ONNX Runtime, and its logits equal the whole ONNX Runtime run's; a tampered scale still fails; a block not in
-the pass's form is loaded whole, with a note."""
+"""The FP8 check's fused-group blocks from their rows (runtime/verify/fp8.py `_fp8_from_rows`, the FFN
+recognized by passes/patterns/fp8.py): with STREAMING_BYTES and LARGE_FFN_BYTES forced to 0 every FFN block
+of the FP8 graph is evaluated by passes/reference.py on FP8Weights (activation Q/DQ, float8 rows dequantized
+a row block at a time) instead of ONNX Runtime, and its logits equal the whole ONNX Runtime run's; a
+tampered scale still fails; a block not in the pass's form is loaded whole, with a note."""
 
 from __future__ import annotations
 
@@ -15,12 +15,13 @@ import pytest
 
 from exporters.synthetic import SyntheticSpec, build_synthetic
 from passes import reference
+from passes.error_measures import l2_relative_error
 from passes.io.model_io import load_model, save_model
 from passes.model_map import find_blocks
+from passes.patterns.fp8 import FP8Weight
 from passes.patterns.swiglu import Weight
 from passes.quant.calibrate import calibrate
 from passes.quant.fp8 import to_fp8
-from passes.reference import FP8Weight
 from passes.run import block_runner
 from passes.validate import default_tokens
 from runtime.deploy import quantize_file
@@ -39,10 +40,6 @@ OPTIONS = VerifyOptions(max_error=0.15)
 # 1.3e-2 of the largest logit). The bound allows such ties anywhere; the same blocks without their activation
 # Q/DQ (asserted below) measure 2.0e-2 to 2.1e-2, five times the bound.
 TOLERANCE = 4e-3
-
-
-def relative_l2(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 @pytest.fixture
@@ -96,13 +93,13 @@ def test_fp8_blocks_from_rows_equal_the_whole_run(form, tiny, tmp_path, from_row
     ffn_blocks = [str(b.index) for b in find_blocks(load_model(source)) if b.ffn is not None]
     streamed, whole, report = streamed_fp8_logits(source, fp8)
     assert f"FFN of block(s) {', '.join(ffn_blocks)} runs from its rows" in " ".join(report.notes)
-    difference = relative_l2(streamed, whole)
+    difference = l2_relative_error(streamed, whole)
     print(f"{form}: relative L2 of from rows against whole = {difference:.3g}")
     assert difference <= TOLERANCE
     # What the tolerance must tell apart: the same blocks from rows without the activation Q/DQ.
     monkeypatch.setattr(FP8Weight, "quantized_input", lambda self, x: x)
     unquantized = streamed_fp8_logits(source, fp8)[0]
-    assert relative_l2(unquantized, whole) > 4 * TOLERANCE
+    assert l2_relative_error(unquantized, whole) > 4 * TOLERANCE
 
 
 def test_fp8_check_from_rows_passes_and_a_tampered_scale_fails(tiny, tmp_path, from_rows):
@@ -135,7 +132,7 @@ def test_a_block_not_in_the_pass_form_is_loaded_whole(tiny, tmp_path, from_rows)
     assert f"block {block.index} (down projection: expected DequantizeLinear, found Mul)" in notes
     rows = notes.split("FFN of block(s) ")[1].split(" runs")[0].split(", ")
     assert str(block.index) not in rows and len(rows) == sum(b.ffn is not None for b in blocks) - 1
-    assert relative_l2(streamed, whole) <= TOLERANCE
+    assert l2_relative_error(streamed, whole) <= TOLERANCE
 
 
 @pytest.mark.parametrize("columns", [None, (3, 9)])
@@ -166,7 +163,7 @@ def test_a_parallel_block_source_streams_group_by_group(tmp_path, from_rows):
     scales = calibrate(fused, [ids], progress=False)
     fp8 = quantize_file(fused, scales, tmp_path, False, lambda m: None)
     streamed, whole, report = streamed_fp8_logits(fused, fp8)
-    assert relative_l2(streamed, whole) <= TOLERANCE
+    assert l2_relative_error(streamed, whole) <= TOLERANCE
     members = [str(b.index) for b in find_blocks(load_model(fused)) if b.parallel is not None]
     rows = " ".join(report.notes).split("FFN of block(s) ")[1].split(" runs")[0].split(", ")
     assert members and not set(members) & set(rows)

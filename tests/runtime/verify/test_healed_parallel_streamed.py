@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from passes.io.model_io import load_model
+from passes.metadata import HEAL_METADATA_KEY
 from passes.run import block_runner
-from runtime.heal.metadata import HEAL_METADATA_KEY, TENSOR_HASHES_KEY
+from runtime.heal.metadata import TENSOR_HASHES_KEY
 from runtime.verify import VerifyOptions, verify_artifact
 from runtime.verify import healed as healed_check
 from tests.runtime.verify.artifacts import parallel_artifacts, tampered

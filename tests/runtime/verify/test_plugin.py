@@ -9,7 +9,8 @@ from importlib.metadata import entry_points
 import pytest
 
 from passes.io.model_io import load_model
-from runtime.heal.metadata import HEAL_METADATA_KEY, TENSOR_HASHES_KEY
+from passes.metadata import HEAL_METADATA_KEY
+from runtime.heal.metadata import TENSOR_HASHES_KEY
 from tests.runtime.verify.artifacts import tampered
 
 pytest_plugins = ["pytester"]

@@ -12,12 +12,13 @@ import numpy as np
 import pytest
 
 from passes.io.model_io import load_model
+from passes.metadata import HEAL_METADATA_KEY
 from passes.pipeline import fuse_file
 from passes.plan import Plan
 from passes.quant.calibrate import calibrate
 from runtime.deploy import quantize_file, with_side_inputs
 from runtime.heal.distill import heal
-from runtime.heal.metadata import HEAL_METADATA_KEY, TENSOR_HASHES_KEY
+from runtime.heal.metadata import TENSOR_HASHES_KEY
 from runtime.text_sets import calibration_windows
 from runtime.verify import verify_artifact
 from runtime.verify.options import VerifyOptions

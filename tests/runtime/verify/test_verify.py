@@ -12,10 +12,13 @@ import pytest
 
 from passes.errors import UserError
 from passes.io.model_io import load_model
-from passes.model_map import PLAN_METADATA_KEY, find_blocks
+from passes.metadata import HEAL_METADATA_KEY, PLAN_METADATA_KEY
+from passes.model_map import find_blocks
 from passes.plan import Plan
-from runtime.heal.metadata import HEAL_METADATA_KEY, TENSOR_HASHES_KEY
-from runtime.verify import DECODE_METADATA_KEY, VerifyOptions, artifact_kind, verify_artifact
+from passes.run import block_runner
+from runtime.heal.metadata import TENSOR_HASHES_KEY
+from runtime.verify import VerifyOptions, artifact_kind, verify_artifact
+from runtime.verify import healed as healed_check
 from runtime.verify.fused import fused_group_blocks, group_tensors
 from tests.runtime.verify.artifacts import parallel_artifacts, tampered, tampered_folder, with_metadata
 
@@ -42,12 +45,6 @@ def test_kinds_told_from_metadata(healed, tiny):
     assert artifact_kind(tiny["decode"]) == "decode"
     with pytest.raises(UserError, match="records no stage"):
         artifact_kind(healed["original"])
-
-
-def test_decode_key_is_the_exporters():
-    from exporters.decode_spec import METADATA_KEY
-
-    assert DECODE_METADATA_KEY == METADATA_KEY
 
 
 def test_fused_passes_and_a_changed_weight_outside_the_groups_is_named(healed, tmp_path):
@@ -215,9 +212,6 @@ def test_junit_and_json_forms(healed, tmp_path):
 def test_healed_quality_runs_block_by_block_above_the_streaming_bound(healed, monkeypatch):
     """Above block_runner.STREAMING_BYTES of weights (here: any) both models of the quality check stream one
     block at a time, a few windows' logits at once (here: one), and measure what the whole models measure."""
-    from passes.run import block_runner
-    from runtime.verify import healed as healed_check
-
     whole = checks(verify_artifact(healed["original"], healed["healed"], OPTIONS))["quality vs original"]
     streamed = []
 

@@ -1,7 +1,7 @@
 import subprocess
 import sys
 
-from passes.runs import attention_free_runs, format_runs
+from passes.block_table import attention_free_runs, format_runs
 
 
 def test_runs_are_maximal_and_inclusive() -> None:
@@ -14,6 +14,7 @@ def test_runs_are_maximal_and_inclusive() -> None:
 
 def test_runs_load_without_onnx_ir() -> None:
     """An exporter prints runs before onnx_ir loads (export_model.py --hf starts copying at once)."""
-    code = "import sys, passes.runs, exporters.spec, exporters.export_record; print('onnx_ir' in sys.modules)"
+    modules = "passes.block_table, exporters.spec, exporters.export_record"
+    code = f"import sys, {modules}; print('onnx_ir' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

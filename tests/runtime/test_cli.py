@@ -1,4 +1,4 @@
-"""The argparse pieces the tools share (passes/cli.py), as the tools use them."""
+"""The argparse pieces the tools share (runtime/cli.py), as the tools use them."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from passes.cli import add_options, add_token_source, parse, tool_parser
+from runtime.cli import add_options, add_token_source, parse, tool_parser
 
 
 def _parser(text_first: bool = False):
