@@ -59,7 +59,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # install signal handlers always run as processes; tests/tools/test_cli.py runs every tool as one.
 IN_PROCESS_TOOLS = {
     "analyze", "build_engines", "evaluate", "export_checkpoint", "export_model", "fuse_onnx", "heal",
-    "latency_model", "prune_attention", "shard_tp",
+    "prune_attention", "shard_tp",
 }  # fmt: skip
 
 

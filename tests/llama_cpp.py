@@ -21,7 +21,9 @@ the wheel into .venv. Tests never build: they ask `binaries()` / `llama_cpp_avai
 
 from __future__ import annotations
 
+import base64
 import functools
+import hashlib
 import importlib.util
 import json
 import os
@@ -33,11 +35,13 @@ import time
 import zipfile
 from pathlib import Path
 
+import gguf
+import numpy as np
 from filelock import FileLock
 
 VERSION = "0.3.36"  # llama-cpp-python; DESIGN 13 measured this one
 
-# What the project runs of llama.cpp: the server (tools/bench_serve.py's peer), a command-line generator,
+# What the project runs of llama.cpp: the server (tools/bench.py serve's peer), a command-line generator,
 # perplexity (DESIGN 13), and the shared libraries that llama-cpp-python loads (llama, ggml*, mtmd).
 TARGETS = ("llama-server", "llama-cli", "llama-perplexity", "llama", "ggml", "mtmd")
 BINARIES = ("llama-server", "llama-cli", "llama-perplexity")
@@ -199,9 +203,6 @@ def wheel(log=_stderr) -> Path:
 def _add_libraries(bare: Path, libraries: list[Path], out: Path) -> None:
     """Copy `bare` with `libraries` added under llama_cpp/lib/ (files, symlinks resolved) and its RECORD
     rewritten for them."""
-    import base64
-    import hashlib
-
     def digest(data: bytes) -> str:
         return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
 
@@ -226,9 +227,6 @@ def tiny_gguf(path: Path, seed: int = 0, vocab_file: str = "ggml-vocab-gpt-2.ggu
     """A random tiny Llama (2 layers, hidden 32, 4 heads, 2 KV heads, FFN 64, tied output) as an f32 GGUF
     with the tokenizer of llama.cpp's vocabulary-only `vocab_file` (GPT-2's by default): a model llama-server
     and llama-cpp-python load in a fraction of a second, for tests of the serving path, not of numbers."""
-    import gguf
-    import numpy as np
-
     vocab = gguf.GGUFReader(source() / "models" / vocab_file)
     tokens = vocab.fields["tokenizer.ggml.tokens"].contents()
     rng = np.random.default_rng(seed)
@@ -283,7 +281,7 @@ def converter_python() -> Path | None:
     when it is not there. The converter reads a vocabulary with AutoTokenizer, which under this project's
     transformers 5 cannot open a nemotron-nas folder (it loads the DeciLM config without its remote code
     and fails with "'PreTrainedConfig' object has no attribute 'max_position_embeddings'")."""
-    from tests.corpora.third_party import optimum_python
+    from tests.corpora.third_party import optimum_python  # noqa: PLC0415 (imports onnx-ir and ORT's optimizer)
 
     python = optimum_python()
     return python if python.is_file() else None

@@ -141,7 +141,7 @@ def prune_once(folder: Path, pruned: Path, plot: Path) -> list[int]:
     title = "Remove attention from the 6 least important layers in 2 runs, distill each layer locally"
     if (pruned / "pruning.json").exists():
         print(f"\n== {title}\n(reusing {pruned}; its report:)")
-        from runtime.prune.report import QualityRow, format_report  # torch: only to print a cached report
+        from runtime.prune.report import QualityRow, format_report  # noqa: PLC0415 (torch: only to print a cached report)
 
         record = json.loads((pruned / "pruning.json").read_text())
         print(format_report([QualityRow(**row) for row in record["quality"]]))

@@ -2,7 +2,7 @@
 
 config.json with block_configs (every field the published configs carry), safetensors shards in bf16 and
 model.safetensors.index.json (design §7). Written tensor by tensor, one shard in memory at a time, so it
-also makes the multi-GB checkpoints of tools/bench_export.py.
+also makes the multi-GB checkpoints of tools/bench.py export.
 """
 
 from __future__ import annotations

@@ -98,8 +98,8 @@ def export_checkpoint(
         if fp8 is None:
             early = early_copy.start(onnx_path, source_config, dtype, staging, max_shard_bytes)
         # Loaded here, while the early copy runs: onnx_ir, the recognizer, numpy's converters.
-        from exporters.nas.layout import plan_layout
-        from passes.io.model_io import load_model
+        from exporters.nas.layout import plan_layout  # noqa: PLC0415 (onnx_ir: loaded only once the early copy has started)
+        from passes.io.model_io import load_model  # noqa: PLC0415 (onnx_ir: loaded only once the early copy has started)
 
         model = load_model(onnx_path)
         layout = plan_layout(model, source, onnx_path)
@@ -111,8 +111,8 @@ def export_checkpoint(
         )
         quant = None
         if fp8 is not None:
-            from exporters.nas.fp8 import fp8_tensors
-            from passes.quant.calibrate import ActivationScales
+            from exporters.nas.fp8 import fp8_tensors  # noqa: PLC0415 (only for --fp8)
+            from passes.quant.calibrate import ActivationScales  # noqa: PLC0415 (only for --fp8)
 
             scales = ActivationScales.load(fp8_scales) if fp8_scales is not None else None
             tensors, quant = fp8_tensors(layout, model, dtype, fp8, scales)
@@ -155,7 +155,7 @@ def export_checkpoint(
 def _write_side_files(staging: Path, layout: NasLayout, source: Path, quant: dict | None) -> list[str]:
     """config.json (+ the quantization config), hf_quant_config.json, the tokenizer and generation files,
     and a DeciLM source's remote code."""
-    from exporters.hf.checkpoint import SIDE_FILES  # its imports (numpy) would delay the early copy
+    from exporters.hf.checkpoint import SIDE_FILES  # noqa: PLC0415 (its imports, numpy, would delay the early copy)
 
     config = dict(layout.config)
     if quant is not None:
@@ -195,7 +195,7 @@ def export_gguf(
     then fused and/or healed) as one GGUF file `output` (must not exist) of llama.cpp's `deci` architecture,
     with the source's tokenizer: `dtype` "f32" | "f16" | "bf16" | "q8_0" for the matrices (norms stay
     float32). UserError for bad input, before anything is written where possible."""
-    from exporters.nas.gguf_out import GGUF_DTYPES
+    from exporters.nas.gguf_out import GGUF_DTYPES  # noqa: PLC0415 (gguf: only for --gguf)
 
     start = time.perf_counter()
     log = log or (lambda message: None)
@@ -208,10 +208,10 @@ def export_gguf(
         raise UserError(f"--source {source}: not a checkpoint folder")
     if output.exists() or output.is_symlink():
         raise UserError(f"-o {output}: exists; choose a new file name")
-    from exporters.nas.gguf_out import ARCH, Writer, add_metadata, gguf_tensor, plan_gguf, write_gguf
-    from exporters.nas.gguf_vocab import add_vocab
-    from exporters.nas.layout import plan_layout
-    from passes.io.model_io import load_model
+    from exporters.nas.gguf_out import ARCH, Writer, add_metadata, gguf_tensor, plan_gguf, write_gguf  # noqa: PLC0415 (gguf: only for --gguf)
+    from exporters.nas.gguf_vocab import add_vocab  # noqa: PLC0415 (gguf: only for --gguf)
+    from exporters.nas.layout import plan_layout  # noqa: PLC0415 (onnx_ir: loaded only after the argument checks)
+    from passes.io.model_io import load_model  # noqa: PLC0415 (onnx_ir: loaded only after the argument checks)
 
     layout = plan_layout(load_model(onnx_path), source, onnx_path)
     plan = plan_gguf(layout)

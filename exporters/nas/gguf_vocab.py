@@ -25,13 +25,16 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import struct
+import tempfile
 from hashlib import sha256
 from pathlib import Path
 from typing import Any
 
 import gguf
 
+from exporters.nas.gguf_pretokenizers import CHECK_TEXT, HASHES, LLAMA_CPP
 from passes.errors import UserError
 
 # The sentencepiece piece types (sentencepiece_model.proto), which are also the converter's
@@ -101,10 +104,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 def _auto_tokenizer(folder: Path) -> Any:
     """transformers' AutoTokenizer of the folder's tokenizer files, as the converter loads it."""
-    import shutil
-    import tempfile
 
-    from transformers import AutoTokenizer  # seconds to import: only for a BPE tokenizer.json
+    from transformers import AutoTokenizer  # noqa: PLC0415 (transformers: seconds to import; only for a BPE tokenizer.json)
 
     with tempfile.TemporaryDirectory(prefix="gguf_vocab_") as copy:
         for name in TOKENIZER_FILES:
@@ -155,13 +156,11 @@ def vocab_base(folder: Path, vocab_size: int) -> tuple[list[str], list[int], str
 
 def pretokenizer_hash(tokenizer: Any) -> str:
     """SHA-256 of the ids of CHECK_TEXT, as the converter's `get_vocab_base_pre` computes it."""
-    from exporters.nas.gguf_pretokenizers import CHECK_TEXT
 
     return sha256(str(tokenizer.encode(CHECK_TEXT)).encode()).hexdigest()
 
 
 def pretokenizer_name(tokenizer: Any, folder: Path) -> str:
-    from exporters.nas.gguf_pretokenizers import HASHES, LLAMA_CPP
 
     digest = pretokenizer_hash(tokenizer)
     if digest not in HASHES:

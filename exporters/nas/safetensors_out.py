@@ -61,7 +61,7 @@ def band_rows(cols: int, itemsize: int = 4) -> int:
 
 def write_bands(fd: int, offset: int, bands: Iterator[np.ndarray]) -> int:
     """Write each band's bytes one after the other from `offset`; returns the bytes written."""
-    import numpy as np  # loaded by then: only the main thread's writers convert
+    import numpy as np  # noqa: PLC0415 (loaded by then: only the main thread's writers convert)
 
     written = 0
     for band in bands:
@@ -261,8 +261,8 @@ INLINE_BYTES = 1 << 20  # an initializer inside the ONNX file (a norm weight) is
 def out_tensor(source: TensorSource, dtype: str) -> OutTensor:
     """The writer of one tensor in `dtype`: a kernel copy when the ONNX holds its bytes as they are, else
     bands of rows converted through float32 (round to nearest even)."""
-    import ml_dtypes  # numpy loads only once the layout is known: see TYPE_CHECKING above
-    import numpy as np
+    import ml_dtypes  # noqa: PLC0415 (numpy loads only once the layout is known: see TYPE_CHECKING above)
+    import numpy as np  # noqa: PLC0415 (numpy loads only once the layout is known)
 
     numpy_dtypes = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
     if source.tensor is None and source.fill == 1.0:

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
+from passes.io.figures import pyplot
+
 
 def plot_dependency(
     dependency: np.ndarray,
@@ -20,10 +22,7 @@ def plot_dependency(
     """A heatmap of the dependency matrix like the paper's figure: row i = skipped block, column j =
     block whose contribution is measured; attention-free blocks marked along both axes, FFN groups boxed
     (solid), parallel block groups boxed (dashed, labelled "P[i, j]")."""
-    import matplotlib  # noqa: PLC0415 (matplotlib: ~0.5 s; only the figure needs it)
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415 (after matplotlib.use("Agg"); only the figure needs it)
+    plt = pyplot()
     from matplotlib.colors import LogNorm  # noqa: PLC0415 (matplotlib: only the figure needs it)
     from matplotlib.patches import Patch, Rectangle  # noqa: PLC0415 (matplotlib: only the figure needs it)
 
@@ -36,7 +35,7 @@ def plot_dependency(
     shown = np.where(np.isfinite(values), np.clip(values, low, None), np.nan)
     size = min(4.0 + 0.28 * n, 16.0)
     fig, ax = plt.subplots(figsize=(size + 1.6, size))
-    cmap = matplotlib.colormaps["viridis"].with_extremes(bad="#f2f2f2")
+    cmap = plt.colormaps["viridis"].with_extremes(bad="#f2f2f2")
     image = ax.imshow(shown, cmap=cmap, norm=LogNorm(vmin=low, vmax=high), interpolation="nearest")
     free_color, attn_color = "#d62728", "#404040"
     step = 1 if n <= 40 else max(1, n // 40)

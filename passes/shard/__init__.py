@@ -23,8 +23,9 @@ per-tensor scales are replicated. The Reshape/Expand shape constants that encode
 rewritten per rank (passes.shard.dims works out which). Weights are sliced lazily from the memory-mapped
 source while each rank's model is saved, one tensor at a time.
 
-This package's __init__ is its public API; the work is split into graph.py (roles), plan.py (which
-heads/columns each rank keeps), dims.py (the rank world), rewrite.py (one rank graph), rank_pass.py
+This package's __init__ is its public API; the work is split into roles.py (each branch's parallel roles),
+partition.py (which heads/columns each rank keeps), dims.py (the rank world), rewrite.py (one rank graph),
+value_types.py (types along a rank graph), rank_pass.py
 (ShardRank: that rewrite as an onnx-ir pass, rank r of N a parameter, since a PassManager carries one
 model and sharding makes N), collectives.py (DistCollective, counting) and files.py (rank files,
 tp.json).

@@ -1,4 +1,5 @@
-"""The original-vs-fused generation benchmark (tools/bench.py): models alternate within every repetition.
+"""The original-vs-fused generation benchmark (tools/bench.py decode): models alternate within every
+repetition.
 
 `run_benchmark(settings, original, fused, out, parallel=None)` shards the graphs when TP > 1, times greedy
 generation of each on every (batch, prompt length) case (ABBA order, so machine noise hits all alike), and
@@ -169,7 +170,7 @@ def _gloo_bench_worker(
     threads: int,
     out: str,
 ) -> None:
-    import torch.distributed as dist  # torch only in the rank processes of the TP benchmark
+    import torch.distributed as dist  # noqa: PLC0415 (torch only in the rank processes of the TP benchmark)
 
     die_with_parent()
     init_gloo(rank, world, port)
@@ -194,7 +195,7 @@ def bench_tp_gloo(
 ) -> list[DecodeTiming]:
     """`bench_models` with every rank in its own process (torch.multiprocessing, gloo all-reduces);
     rank 0's timings are returned. The models still alternate: each rank holds all of them."""
-    import torch.multiprocessing as mp  # as in _gloo_bench_worker
+    import torch.multiprocessing as mp  # noqa: PLC0415 (torch only in the rank processes of the TP benchmark)
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "results.json"

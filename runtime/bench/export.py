@@ -1,4 +1,4 @@
-"""Streaming benchmark of the Hugging Face exporter (tools/bench_export.py): memory and time against a copy.
+"""Streaming benchmark of the Hugging Face exporter (tools/bench.py export): memory and time against a copy.
 
 A random nemotron-nas checkpoint in the published layout (exporters.hf.synthetic: bf16 shards + index,
 block_configs) is written, then, each in a fresh child process whose own peak RSS is read
@@ -109,7 +109,7 @@ def write_checkpoint(
     folder: str | Path, hidden: int, heads: int, layers: int, vocab: int, shards: int
 ) -> None:
     """Super-49B-like layers: attention (8 heads per KV head) on even layers only, ffn_mult cycling."""
-    from exporters.hf.synthetic import LLAMA3_ROPE, deci_block, nemotron_config, write_nemotron  # torch
+    from exporters.hf.synthetic import LLAMA3_ROPE, deci_block, nemotron_config, write_nemotron  # noqa: PLC0415 (torch: only to write the benchmark's checkpoint)
 
     blocks = [deci_block(8 if i % 2 == 0 else "no_op", MULTS[i % len(MULTS)]) for i in range(layers)]
     config = nemotron_config(blocks, hidden=hidden, heads=heads, vocab=vocab, rope_scaling=LLAMA3_ROPE)

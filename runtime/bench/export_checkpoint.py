@@ -1,4 +1,4 @@
-"""Streaming benchmark of the checkpoint writer (tools/bench_export_checkpoint.py): time and peak memory of
+"""Streaming benchmark of the checkpoint writer (tools/bench.py export-checkpoint): time and peak memory of
 tools/export_checkpoint.py against a plain copy of the same weights, and of its GGUF writer (--gguf).
 
 Setup (untimed): runtime.bench.export's random Nemotron-NAS checkpoint (bf16 shards, attention on even

@@ -1,4 +1,4 @@
-"""The scale benchmark of the fusion pass (issue 13), run by tools/bench_fuse.py.
+"""The scale benchmark of the fusion pass (issue 13), run by tools/bench.py fuse.
 
 For each shape it builds an FFN-only synthetic model with external data, then measures side by side, each
 step in a fresh child process (runtime.bench.peak_memory: wall time and the child's own peak RSS):

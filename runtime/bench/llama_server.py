@@ -1,4 +1,4 @@
-"""llama.cpp's llama-server as a peer in the serving benchmark (tools/bench_serve.py --gguf).
+"""llama.cpp's llama-server as a peer in the serving benchmark (tools/bench.py serve --gguf).
 
 `LlamaServer` starts one llama-server on a GGUF file, on 127.0.0.1 and a free port, with `parallel` slots
 (`-np`, continuous batching) and `context_per_slot` tokens of KV cache per slot (`-c parallel *
@@ -15,6 +15,7 @@ streamed /v1/completions, temperature 0, `ignore_eos`, the usage chunk). Build i
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import shutil
 import signal
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from passes.errors import UserError
+from runtime.bench.serve import Target
 from runtime.ports import free_port
 
 HOW_TO_BUILD = (
@@ -50,7 +52,7 @@ def gguf_file_type(path: Path) -> str:
     """A GGUF's weight type as llama.cpp names it (`f32`, `f16`, `bf16`, `q8_0`, ...), or its file stem
     when the file says none (or the gguf package is missing)."""
     try:
-        import gguf  # the export extras; only to name the file in the report
+        import gguf  # noqa: PLC0415 (the export extras; only to name the file in the report)
 
         reader = gguf.GGUFReader(path)
         value = reader.fields["general.file_type"].contents()
@@ -78,8 +80,6 @@ def labels_for(paths: Sequence[Path]) -> list[str]:
 def _die_with_parent() -> None:
     """In the child, before exec: SIGTERM when the parent dies (Linux); elsewhere nothing."""
     if sys.platform.startswith("linux"):
-        import ctypes
-
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
@@ -133,7 +133,7 @@ class LlamaServer:
         return self
 
     def _wait_ready(self) -> None:
-        import httpx  # as runtime.bench.serve: the test extras
+        import httpx  # noqa: PLC0415 (the client side of the benchmark: the test extras, as runtime.bench.serve)
 
         deadline = time.monotonic() + self.start_timeout
         while True:
@@ -200,8 +200,6 @@ def start_peers(
 ) -> list:
     """Start a LlamaServer per GGUF (`parallel` slots each) inside `stack`, which stops them; returns their
     benchmark targets (runtime.bench.serve.Target), labelled `llama.cpp <type>`."""
-    from runtime.bench.serve import Target
-
     about = version(binary)
     targets = []
     for index, (label, path) in enumerate(zip(labels_for(ggufs), ggufs, strict=True)):

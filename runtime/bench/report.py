@@ -6,6 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
+from passes.io.figures import pyplot
+
 COLORS = {"original": "#7f8c8d", "fused": "#2e86de", "parallel": "#e67e22"}
 
 
@@ -61,10 +63,7 @@ def markdown(data: dict) -> str:
 
 
 def plot(data: dict, path: Path) -> None:
-    import matplotlib  # matplotlib takes a second to import: only when a picture is drawn
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     results = data["results"]
     cases = list(dict.fromkeys((r["batch"], r["prompt_len"]) for r in results))

@@ -1,4 +1,4 @@
-"""Serving benchmark: OpenAI-API servers under concurrent streaming clients (tools/bench_serve.py).
+"""Serving benchmark: OpenAI-API servers under concurrent streaming clients (tools/bench.py serve).
 
 For each concurrency C, every server gets `requests` streamed completions from C concurrent clients (the
 official `openai` async client); the servers take turns, in ABBA order over `rounds`, so that machine noise
@@ -9,7 +9,7 @@ Per server and concurrency: time to first token (request sent -> first text chun
 (between consecutive text chunks) p50/p90/p99, output tokens/s (completion tokens of all requests / wall
 time of the waves), requests/s, failures. Writes JSON, a Markdown table and a PNG.
 
-Any OpenAI-compatible server is a target; tools/bench_serve.py --gguf also starts llama.cpp's llama-server
+Any OpenAI-compatible server is a target; tools/bench.py serve --gguf also starts llama.cpp's llama-server
 on GGUF files as peers (runtime/bench/llama_server.py) and stops them at the end.
 """
 
@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from passes.errors import UserError
+from passes.io.figures import pyplot
 from runtime.bench.decode import machine
 from runtime.bench.report import machine_line
 
@@ -73,6 +74,7 @@ class Summary:
     itl_ms_p90: float
     itl_ms_p99: float
     latency_ms_p50: float
+    errors: list[str] = field(default_factory=list)  # the failed requests' distinct errors (first 3)
 
 
 def prompts(count: int, words: int, seed: int = 0) -> list[str]:
@@ -121,9 +123,14 @@ async def _one(client, model: str, prompt: str, max_tokens: int) -> RequestResul
 
 
 async def _wave(target: Target, concurrency: int, texts: Sequence[str], max_tokens: int):
-    from openai import AsyncOpenAI  # the client side of the benchmark: the test extras
+    import httpx  # noqa: PLC0415 (the client side of the benchmark: the test extras)
+    from openai import AsyncOpenAI  # noqa: PLC0415 (the client side of the benchmark: the test extras)
 
-    client = AsyncOpenAI(base_url=target.api, api_key="none", max_retries=0, timeout=600)
+    # A new connection per request, as vLLM's benchmark (one aiohttp session per request): llama-server
+    # closes some kept-alive connections after a stream, and a request sent on one fails at once ("Server
+    # disconnected without sending a response"; measured: 1 request in 3 sent right after a stream).
+    http = httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0), timeout=600)
+    client = AsyncOpenAI(base_url=target.api, api_key="none", max_retries=0, timeout=600, http_client=http)
     queue = list(texts)
     results: list[RequestResult] = []
 
@@ -166,12 +173,13 @@ def summarize_wave(label: str, concurrency: int, results: list[RequestResult], w
         itl_ms_p90=itl[1],
         itl_ms_p99=itl[2],
         latency_ms_p50=_percentiles([r.latency_s for r in ok])[0],
+        errors=list(dict.fromkeys(r.error for r in results if not r.ok))[:3],
     )
 
 
 def discover(target: Target) -> Target:
     """The target with its model id (the first of GET /v1/models) when none was given."""
-    import httpx  # as in _wave
+    import httpx  # noqa: PLC0415 (as in _wave)
 
     try:
         response = httpx.get(target.api + "/models", timeout=30)
@@ -218,7 +226,7 @@ def run(
             log(
                 f"concurrency {concurrency:3d} {target.label:>10}: {summary.output_tokens_per_s:8.1f} tok/s, "
                 f"TTFT p50 {summary.ttft_ms_p50:8.1f} ms, ITL p50 {summary.itl_ms_p50:7.2f} ms"
-                + (f", {summary.failed} failed" if summary.failed else "")
+                + (f", {summary.failed} failed ({summary.errors[0]})" if summary.failed else "")
             )
     load.append(os.getloadavg()[0])
     return report(targets, concurrencies, requests, max_tokens, prompt_words, rounds, summaries, load)
@@ -314,10 +322,7 @@ def markdown(data: dict) -> str:
 
 
 def plot(data: dict, path: Path) -> None:
-    import matplotlib  # a second to import: only when a picture is drawn
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     labels = [t["label"] for t in data["targets"]]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))

@@ -1,4 +1,4 @@
-"""Side by side: passes.shard and Polygraphy's `polygraphy multi-device shard` (tools/compare_sharders.py).
+"""Side by side: passes.shard and Polygraphy's `polygraphy multi-device shard` (tools/bench.py sharders).
 
 Both sharders run on the same models, each in its own process (runtime.bench.peak_memory measures wall time
 and that process's peak RSS), and every set of rank graphs is then run on CPU by runtime.tp.ort.run_simulated
@@ -182,7 +182,7 @@ def compare(
 
 
 def build_models(work: Path, big_hidden: int) -> dict[str, Path]:
-    from exporters.onnx_export import export_spec_model  # imports torch: only to build the models
+    from exporters.onnx_export import export_spec_model  # noqa: PLC0415 (torch: only to build the models)
 
     models = work / "models"
     paths = small_models(models, np.random.default_rng(5).integers(0, 256, (2, 16)))
@@ -203,7 +203,7 @@ def small_models(models: Path, calibration_ids: np.ndarray) -> dict[str, Path]:
     """The small TP models in `models` (each built unless there): m49 (SMALL_BLOCKS), m49-fused
     (SMALL_GROUPS), m49-fp8 (its FP8 Q/DQ, lm_head too, calibrated on `calibration_ids`) and gqa (12 heads,
     2 KV heads, vocab 250, untied lm_head). tests/passes/shard/test_shard.py shards the same models."""
-    from exporters.onnx_export import export_spec_model  # imports torch: only to build the models
+    from exporters.onnx_export import export_spec_model  # noqa: PLC0415 (torch: only to build the models)
 
     models.mkdir(parents=True, exist_ok=True)
     paths = {

@@ -8,12 +8,8 @@ import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (after choosing the file backend)
-
 from passes.errors import UserError  # noqa: E402
+from passes.io.figures import pyplot
 from passes.plan import Plan  # noqa: E402
 from runtime.frontier.measure import Quality  # noqa: E402
 
@@ -205,6 +201,7 @@ class FrontierReport:
         self.plot(out / "frontier.png", paper)
 
     def plot(self, path: Path, paper=None) -> None:
+        plt = pyplot()
         fig, ax = plt.subplots(figsize=(9, 6))
         for e in self.entries:
             marker = "*" if e.label.startswith("paper") else "o"

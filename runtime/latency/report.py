@@ -1,5 +1,5 @@
 """The latency model's report on the paper's models: predicted tokens/s before and after fusion, speedups,
-all-reduce counts, the paper's numbers and the constants table (tools/latency_model.py)."""
+all-reduce counts, the paper's numbers and the constants table (tools/bench.py latency)."""
 
 from __future__ import annotations
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from passes.io.figures import pyplot
 from runtime.prune.model import PruneModel
 
 
@@ -100,10 +101,7 @@ def plot_importance(importance: dict[int, float], runs: list[Run], path: Path, t
                     chosen: list[int] | None = None) -> None:
     """A bar chart of the KL per layer (log scale), the cheapest run of each length shaded, the layers
     `chosen` for removal in orange."""
-    import matplotlib  # noqa: PLC0415 (matplotlib: ~0.5 s; only the plot needs it)
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415 (after matplotlib.use("Agg"); only the plot needs it)
+    plt = pyplot()
 
     layers = sorted(importance)
     fig, ax = plt.subplots(figsize=(10, 4))

@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from passes.io.figures import pyplot
 from runtime.prune.distill import distill_local
 from runtime.prune.model import PruneModel
 from runtime.prune.report import score
@@ -60,10 +61,7 @@ def format_tradeoff(points: Sequence[TradeoffPoint]) -> str:
 
 
 def plot_tradeoff(points: Sequence[TradeoffPoint], path: Path, title: str) -> None:
-    import matplotlib  # noqa: PLC0415 (matplotlib: ~0.5 s; only the plot needs it)
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415 (after matplotlib.use("Agg"); only the plot needs it)
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4))
     xs = [p.removed for p in points]

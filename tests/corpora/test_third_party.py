@@ -278,10 +278,10 @@ def test_genai_runtime_runs_the_genai_folders(fused, third_party_corpus, corpus_
 
 @pytest.mark.parametrize("name", ENTRIES)
 def test_bench(fused, third_party_corpus, tmp_path, name):
-    """tools/bench.py, original and fused side by side, tiny settings: the report is well formed."""
+    """tools/bench.py decode, original and fused side by side, tiny settings: the report is well formed."""
     path, _ = fused(name, "last")
-    args = ["--original", third_party_corpus[name], "--fused", path, "--batch", 1, "--prompt-len", 8,
-            "--gen-len", 3, "--reps", 1, "--warmup", 0, "--quiet", "--out", tmp_path]
+    args = ["decode", "--original", third_party_corpus[name], "--fused", path, "--batch", 1,
+            "--prompt-len", 8, "--gen-len", 3, "--reps", 1, "--warmup", 0, "--quiet", "--out", tmp_path]
     assert tool_main("bench")([str(a) for a in args]) == 0
     data = json.loads((tmp_path / "bench.json").read_text())
     assert data["format"] == "ffn-fusion-bench/1" and data["gen_len"] == 3 and data["reps"] == 1

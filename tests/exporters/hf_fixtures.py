@@ -3,7 +3,7 @@
 - `save_llama_family`: a random LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM saved by
   transformers' own `save_pretrained` (sharded with an index when `max_shard_size` is given).
 - nemotron-nas (DeciLM) checkpoints in the published layout: exporters.hf.synthetic (re-exported here;
-  tools/bench_export.py uses it too).
+  tools/bench.py export uses it too).
 - `puzzle_models`: one tiny checkpoint with every Puzzle layer kind (PUZZLE_BLOCKS) and its exports
   (prefill graph, decode graph, TP 2 decode folder), made once per session and shared by
   tests/exporters, tests/runtime and tests/runtime/tp.

@@ -37,7 +37,8 @@ def _walk(node: ast.AST):
     """ast.walk without the bodies of `if TYPE_CHECKING:`."""
     yield node
     for child in ast.iter_child_nodes(node):
-        if isinstance(child, ast.If) and isinstance(child.test, ast.Name) and child.test.id == "TYPE_CHECKING":
+        test = child.test if isinstance(child, ast.If) else None
+        if isinstance(test, ast.Name) and test.id == "TYPE_CHECKING":
             continue
         yield from _walk(child)
 

@@ -1,4 +1,5 @@
-"""tools/bench.py and tools/generate.py on tiny decode graphs (original vs fused, measured alternately)."""
+"""tools/bench.py decode and tools/generate.py on tiny decode graphs (original vs fused, measured
+alternately)."""
 
 from __future__ import annotations
 
@@ -30,12 +31,14 @@ def models():
 
 
 def run_bench(tool, original, fused, out, check: bool = True, **options):
-    """tools/bench.py --quiet on two models; options as keywords: prompt_len=(4, 8) -> --prompt-len 4 8."""
+    """tools/bench.py decode --quiet on two models; options as keywords: prompt_len=(4, 8) -> --prompt-len
+    4 8."""
     flags = []
     for name, value in options.items():
         flags += [f"--{name.replace('_', '-')}", *(value if isinstance(value, tuple) else (value,))]
     return tool(
-        "bench", "--original", original, "--fused", fused, *flags, "--out", out, "--quiet", check=check
+        "bench", "decode", "--original", original, "--fused", fused, *flags, "--out", out, "--quiet",
+        check=check,
     )
 
 

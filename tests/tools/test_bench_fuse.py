@@ -1,4 +1,4 @@
-"""tools/bench_fuse.py end to end at a small scale (the issue-13 shapes are measured in docs/scale.md)."""
+"""tools/bench.py fuse end to end at a small scale (the issue-13 shapes are measured in docs/scale.md)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from tests.conftest import ROOT
 @pytest.mark.slow  # a benchmark run: 13-19 s
 def test_bench_fuse_reports_memory_and_time(tool, tmp_path):
     result = tool(
-        "bench_fuse",
+        "bench", "fuse",
         "--shape",
         "small:256:1024:4:2:float32",
         "--shape",
@@ -60,9 +60,9 @@ def test_paired_ratio_compares_each_round_with_the_copies_around_it():
 
 
 def test_bench_fuse_refuses_a_bad_shape(tool):
-    result = tool("bench_fuse", "--shape", "x:1:2")
+    result = tool("bench", "fuse", "--shape", "x:1:2")
     assert result.returncode == 2 and result.stderr.startswith("error: --shape 'x:1:2'")
-    result = tool("bench_fuse", "--repeat", "0")
+    result = tool("bench", "fuse", "--repeat", "0")
     assert result.returncode == 2 and result.stderr.startswith("error: --repeat 0")
 
 
@@ -78,7 +78,7 @@ def test_bench_fuse_runs_another_checkout_side_by_side(tool, tmp_path):
     init.write_text(init.read_text() + f"\nopen({str(marker)!r}, 'a').write('x')\n")
     work = tmp_path / "work"
     args = ["--shape", "small:128:256:2:2:float32", "--no-stages", "--repeat", "2", "--workdir", work]
-    result = tool("bench_fuse", *args, "--against", other, "--json", check=True)
+    result = tool("bench", "fuse", *args, "--against", other, "--json", check=True)
     steps = {s["name"]: s for s in json.loads(result.stdout)[0]["steps"]}
     names = ["copy", "fuse (fold)", "  fold @older", "fuse (last)", "  last @older", "fuse + validation"]
     assert list(steps) == names
@@ -89,13 +89,13 @@ def test_bench_fuse_runs_another_checkout_side_by_side(tool, tmp_path):
 
 
 def test_bench_fuse_refuses_what_is_not_a_checkout(tool, tmp_path):
-    result = tool("bench_fuse", "--against", tmp_path)
+    result = tool("bench", "fuse", "--against", tmp_path)
     assert result.returncode == 2 and "not a checkout of this project" in result.stderr
     (tmp_path / "tools").mkdir()
     (tmp_path / "tools" / "fuse_onnx.py").write_text("")
     (tmp_path / "passes").mkdir()
     (tmp_path / "passes" / "__init__.py").write_text("raise ImportError('broken checkout')\n")
-    result = tool("bench_fuse", "--against", tmp_path)
+    result = tool("bench", "fuse", "--against", tmp_path)
     assert result.returncode == 2 and "its tools import passes from nowhere" in result.stderr, result.stderr
 
 

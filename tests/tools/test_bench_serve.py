@@ -1,4 +1,4 @@
-"""tools/bench_serve.py against two real servers on 127.0.0.1 (the tiny decode graph, original and fused)."""
+"""tools/bench.py serve against two real servers on 127.0.0.1 (the tiny decode graph, original and fused)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def test_bench_serve_measures_both_servers_side_by_side(servers, tool, tmp_path)
     a, b = servers
     out = tmp_path / "bench"
     result = tool(
-        "bench_serve",
+        "bench", "serve",
         a.url,
         b.url + "/v1",
         "--concurrency",
@@ -80,6 +80,6 @@ def test_bench_serve_bad_input(servers, tool, tmp_path):
         ([a.url, "--model", "other"], "does not serve"),
         (["http://127.0.0.1:9"], "cannot list the models"),
     ]:
-        result = tool("bench_serve", *args, "--out", tmp_path / "never", timeout=120)
+        result = tool("bench", "serve", *args, "--out", tmp_path / "never", timeout=120)
         assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, args
     assert not (tmp_path / "never").exists()

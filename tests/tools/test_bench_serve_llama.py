@@ -1,4 +1,4 @@
-"""tools/bench_serve.py --gguf: llama.cpp's llama-server measured beside this project's server in one run
+"""tools/bench.py serve --gguf: llama.cpp's llama-server measured beside this project's server in one run
 (runtime/bench/llama_server.py). The tests that run llama-server need `make llama-cpp`'s build and skip
 without it (they never compile); the argument checks run everywhere."""
 
@@ -29,8 +29,8 @@ needs_build = pytest.mark.skipif(BIN is None, reason="llama.cpp is not built: `m
 
 
 def _main(argv: list[str]) -> int:
-    """tools/bench_serve.py's main() in this process (its argument checks raise UserError)."""
-    return runpy.run_path(str(ROOT / "tools" / "bench_serve.py"), run_name="bench_serve_tool")["main"](argv)
+    """tools/bench.py serve's main() in this process (its argument checks raise UserError)."""
+    return runpy.run_path(str(ROOT / "tools" / "bench.py"), run_name="bench_tool")["main"](["serve", *argv])
 
 
 def _servers_on(gguf: Path) -> list[psutil.Process]:
@@ -69,7 +69,7 @@ def test_bench_serve_measures_llama_server_beside_our_server(tiny_gguf, tool, tm
     out = tmp_path / "bench"
     with ServerThread(loading.load(sf.tiny_folder(tmp_path, "decode"))) as ours:
         result = tool(
-            "bench_serve", ours.url, "--labels", "onnx", "--gguf", tiny_gguf,
+            "bench", "serve", ours.url, "--labels", "onnx", "--gguf", tiny_gguf,
             "--llama-server", BIN / "llama-server", "--llama-context", "256",
             "--concurrency", "1", "3", "--requests", "6", "--max-tokens", "8", "--prompt-words", "12",
             "--rounds", "2", "--warmup", "1", "--out", out, check=True, timeout=600,
@@ -83,7 +83,7 @@ def test_bench_serve_measures_llama_server_beside_our_server(tiny_gguf, tool, tm
         (1, "onnx"), (1, "llama.cpp f32"), (3, "onnx"), (3, "llama.cpp f32"),
     ]  # fmt: skip
     for r in data["results"]:  # llama-server honours ignore_eos and reports usage in the stream
-        assert r["failed"] == 0 and r["output_tokens"] == 6 * 8, r
+        assert r["failed"] == 0 and r["errors"] == [] and r["output_tokens"] == 6 * 8, r
     assert [(r["label"], r["concurrency"]) for r in data["throughput_ratio"]] == [
         ("llama.cpp f32", 1), ("llama.cpp f32", 3),
     ]  # fmt: skip
@@ -100,7 +100,7 @@ def test_bench_serve_measures_llama_server_beside_our_server(tiny_gguf, tool, tm
 def test_llama_server_is_stopped_when_the_benchmark_fails(tiny_gguf, tool, tmp_path) -> None:
     """A target that does not answer ends the run (exit 2) after llama-server started: it is stopped."""
     result = tool(
-        "bench_serve", "http://127.0.0.1:9", "--gguf", tiny_gguf, "--llama-server", BIN / "llama-server",
+        "bench", "serve", "http://127.0.0.1:9", "--gguf", tiny_gguf, "--llama-server", BIN / "llama-server",
         "--llama-context", "256", "--concurrency", "1", "--requests", "2", "--out", tmp_path / "bench",
         timeout=300,
     )  # fmt: skip

@@ -20,7 +20,6 @@ MISSING = {
     "export_model": (["--hf", "ckpt", "-o", "out/m.onnx"], "ckpt/config.json not found"),
     "fuse_onnx": (["missing.onnx", "plan.json"], "plan plan.json does not exist"),
     "heal": (["missing.onnx", "missing.onnx", "-o", "out.onnx"], "model missing.onnx does not exist"),
-    "latency_model": (["--tp", "0"], "tp, batch must be >= 1"),
     "prune_attention": (["missing.onnx", "--importance"], "missing.onnx"),
     "shard_tp": (["missing.onnx", "--tp", "2", "--out", "out"], "model missing.onnx does not exist"),
 }

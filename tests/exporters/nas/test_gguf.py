@@ -9,21 +9,26 @@ f16 3e-4, bf16 4e-3, q8_0 1.9e-2 (hidden 64: few values per Q8_0 scale's row).
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
 import os
+import re
 from pathlib import Path
 
 import gguf
 import ml_dtypes
 import numpy as np
+import onnx as onnx_lib
 import pytest
+from tokenizers import Tokenizer
 
 from exporters.hf.checkpoint import export_hf
 from exporters.hf.synthetic import deci_block, nemotron_config, write_all_kinds, write_nemotron
 from exporters.nas import gguf_out
 from exporters.nas.export import export_gguf
 from exporters.nas.gguf_out import ZERO_FFN_WIDTH, permute_rows, quantize_q8_0, quantize_q8_0_numpy
+from exporters.nas.gguf_pretokenizers import CHECK_TEXT, HASHES
 from exporters.nas.layout import plan_layout
 from passes.errors import UserError
 from passes.io.model_io import load_model, load_proto
@@ -33,6 +38,7 @@ from passes.plan import parse_plan
 from tests.artifacts import artifact
 from tests.exporters.hf.deci_reference import _frequencies, dequantize, gguf_logits, read_gguf
 from tests.exporters.nas.vocab_fixtures import build_vocab_model, llama_cpp_models
+from tests.llama_cpp import source
 
 VOCAB = 96
 PLAN = {"groups": [[1, 4], [9, 10]], "norm": "fold"}
@@ -247,7 +253,6 @@ def test_llama3_vocabulary(tmp_path) -> None:
     """Llama 3's 128256-token BPE: the fixture is Llama 3's tokenizer (the converter's hash names it
     "llama-bpe"; it gives llama.cpp's test vectors), and the GGUF holds the tokens, types and merges of
     llama.cpp's own Llama 3 vocabulary file, BOS added, the chat template; output.weight (untied)."""
-    from tokenizers import Tokenizer
 
     base = _vocab_model("llama3")
     ckpt, onnx = base / "ckpt", base / "onnx" / "model.onnx"
@@ -295,11 +300,7 @@ def test_sentencepiece_vocabulary(tmp_path) -> None:
 def test_pretokenizer_table_is_the_converters() -> None:
     """exporters.nas.gguf_pretokenizers holds the check text and hash table of the converter's
     get_vocab_base_pre (the last of equal hashes wins, as its chain of `if`s)."""
-    import ast
-    import re
 
-    from exporters.nas.gguf_pretokenizers import CHECK_TEXT, HASHES
-    from tests.llama_cpp import source
 
     text = (source() / "conversion" / "base.py").read_text()
     body = text[text.index("# Marker: Start get_vocab_base_pre") : text.index("# Marker: End get_vocab")]
@@ -312,7 +313,6 @@ def test_pretokenizer_table_is_the_converters() -> None:
 
 
 def _with_plan(onnx: Path, target: Path, plan: dict) -> Path:
-    import onnx as onnx_lib
 
     proto = load_proto(onnx)
     for prop in proto.metadata_props:

@@ -32,6 +32,7 @@ from passes.plan import parse_plan
 from tests import llama_cpp
 from tests.exporters.hf.deci_reference import read_gguf  # the format read directly: 20x GGUFReader's speed
 from tests.exporters.hf_fixtures import save_llama_family
+from tests.exporters.nas.vocab_fixtures import write_llama3_tokenizer
 from tests.run_graph import graph_logits
 
 pytestmark = pytest.mark.slow  # a 128256-token vocabulary per model, llama.cpp and the converter per case
@@ -56,8 +57,6 @@ CONVERTER_PLAN = {"groups": [[1, 2], [4, 5]], "norm": "fold"}
 
 
 def _llama3_checkpoint(folder: Path, blocks: list[dict], seed: int) -> Path:
-    from tests.exporters.nas.vocab_fixtures import write_llama3_tokenizer
-
     config = nemotron_config(blocks, hidden=64, heads=4, vocab=LLAMA3_VOCAB, rope_scaling=LLAMA3_ROPE)
     config.update(bos_token_id=128000, eos_token_id=128001)
     write_nemotron(folder, config, shards=2, seed=seed)
@@ -90,7 +89,7 @@ def all_kinds_models(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
 def llama_logits(gguf: Path, ids: list[int]) -> np.ndarray:
     """llama.cpp's logits at every position of `ids` (one sequence, no BOS added), float32. The KV cache in
     float32 (llama.cpp's default f16 cache alone moves f32 logits by 4e-4 to 1.3e-3 of the largest)."""
-    from llama_cpp import GGML_TYPE_F32, Llama
+    from llama_cpp import GGML_TYPE_F32, Llama  # noqa: PLC0415 (`make llama-cpp` installs it; skipped without)
 
     model = Llama(model_path=str(gguf), n_ctx=64, n_batch=64, n_ubatch=64, logits_all=True, n_threads=1,
                   type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32, flash_attn=False, verbose=False)  # fmt: skip

@@ -20,6 +20,8 @@ from pathlib import Path
 
 from exporters.hf.checkpoint import export_hf
 from exporters.hf.synthetic import LLAMA3_ROPE, deci_block, nemotron_config, write_nemotron
+from exporters.smollm2_tokenizer import load_tokenizer
+from tests.llama_cpp import source
 
 HIDDEN = 64
 # GQA 2 and 4 KV heads, an attention-free layer, a layer without FFN (the zero FFN of the GGUF writer).
@@ -36,7 +38,6 @@ LLAMA3_CHAT = (
 
 
 def llama_cpp_models() -> Path:
-    from tests.llama_cpp import source
 
     return source() / "models"
 
@@ -55,13 +56,12 @@ def build_vocab_model(folder: Path, kind: str) -> None:
 
 
 def _smollm2_tokenizer(folder: Path) -> None:
-    from exporters.smollm2_tokenizer import load_tokenizer
 
     load_tokenizer().save_pretrained(folder)
 
 
 def _vocab_file(name: str) -> dict:
-    from tests.exporters.hf.deci_reference import read_gguf
+    from tests.exporters.hf.deci_reference import read_gguf  # noqa: PLC0415 (imports torch: only this fixture needs it)
 
     return read_gguf(llama_cpp_models() / name)[0]
 

@@ -28,7 +28,8 @@ from tests.corpora.fixtures import third_party_corpus  # noqa: F401
 from tests.passes.shard.test_corpus import IDS as CORPUS_IDS
 from tests.passes.shard.test_corpus import _torchrun
 from tests.passes.shard.test_corpus import single_device as corpus_single_device
-from tests.passes.test_parallel import IDS, PLAN, SEED, ort_logits, spec
+from tests.passes.test_parallel import IDS, PLAN, SEED, spec
+from tests.run_graph import graph_logits
 
 TOLERANCE = 1e-5
 # 4 full blocks and the fused FFN group [4, 5] are 9 branches; the parallel group [0, 2] needs 2, not 6.
@@ -95,7 +96,7 @@ def test_rank_graph_reduces_each_group_twice(parallel_tiny, graph: str) -> None:
 def test_prefill_ranks_equal_one_device(parallel_tiny, tmp_path: Path, tp: int) -> None:
     report = shard_file(parallel_tiny["prefill_plan"], tp, tmp_path / "tp", progress=False)
     assert report.allreduces_per_forward == ALLREDUCES["parallel"]
-    expected = ort_logits(parallel_tiny["prefill_plan"])
+    expected = graph_logits(parallel_tiny["prefill_plan"], IDS)
     error = max_abs_relative_error(run_simulated(report.rank_files, IDS), expected)
     assert error <= TOLERANCE
 

@@ -118,7 +118,8 @@ def test_tool_json_schema():
     run = subprocess.run(
         [
             sys.executable,
-            "tools/latency_model.py",
+            "tools/bench.py",
+            "latency",
             "--gpu",
             "h200",
             "--batch",
@@ -160,12 +161,12 @@ def test_tool_json_schema():
 
 def test_tool_table_and_bad_input():
     ok = subprocess.run(
-        [sys.executable, "tools/latency_model.py"], cwd=ROOT, capture_output=True, text=True, timeout=60
+        [sys.executable, "tools/bench.py", "latency"], cwd=ROOT, capture_output=True, text=True, timeout=60
     )
     assert ok.returncode == 0
     assert "Ultra-253B" in ok.stdout and "70.92" in ok.stdout
     bad = subprocess.run(
-        [sys.executable, "tools/latency_model.py", "--batch", "0"],
+        [sys.executable, "tools/bench.py", "latency", "--batch", "0"],
         cwd=ROOT,
         capture_output=True,
         text=True,

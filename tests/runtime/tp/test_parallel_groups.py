@@ -21,7 +21,8 @@ from runtime.ports import free_port
 from runtime.tp.gloo import init_gloo
 from runtime.tp.ort import RankProgram, torch_collective
 from tests.passes.shard.test_parallel_groups import ALLREDUCES, TOLERANCE, parallel_models
-from tests.passes.test_parallel import IDS, ort_logits
+from tests.passes.test_parallel import IDS
+from tests.run_graph import graph_logits
 from tests.runtime.tp.test_decode_puzzle import generate
 
 
@@ -59,7 +60,7 @@ def test_parallel_group_over_gloo_equals_one_device(parallel_tiny, tmp_path: Pat
     out = tmp_path / "rank0.npz"
     mp.spawn(_rank, args=(tp, free_port(), str(dirs["prefill"]), str(dirs["decode"]), str(out)), nprocs=tp)
     result = np.load(out)
-    expected = ort_logits(parallel_tiny["prefill_plan"])
+    expected = graph_logits(parallel_tiny["prefill_plan"], IDS)
     assert max_abs_relative_error(result["logits"], expected) <= TOLERANCE
     tokens, steps = generate(OrtBackend(parallel_tiny["decode_plan"]))
     assert result["tokens"].tolist() == tokens
