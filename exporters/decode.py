@@ -43,14 +43,15 @@ from torch import nn
 
 from exporters.decode_spec import cache_kv_heads, cache_layers, describe, kinds_of
 from exporters.llama import MLP, Backbone, DecoderBlock, RMSNorm, SelfAttention, SpecLlama, build_model
-from exporters.onnx_export import EXTERNAL_DATA_THRESHOLD, dynamo_export, save_export
+from exporters.onnx_export import dynamo_export, save_export
+from exporters.smollm2_tokenizer import PRUNED_BLOCKS
 from exporters.spec import BlockSpec, ModelSpec
+from passes.io.model_io import EXTERNAL_DATA_THRESHOLD
 from passes.metadata import DECODE_METADATA_KEY
 
 # Metadata key of the decode graph description (JSON); fusion keeps model metadata.
 # Tracing example: batch 2, 7 new tokens after 3 cached ones (no dim 0 or 1, so none is specialized).
 EXAMPLE_BATCH, EXAMPLE_SEQ, EXAMPLE_PAST = 2, 7, 3
-PRUNED_BLOCKS: tuple[int, ...] = tuple(range(13, 23))
 
 
 def past_names(layer: int) -> tuple[str, str]:

@@ -24,15 +24,11 @@ import torch
 
 from exporters.export_record import ExportResult
 from exporters.llama import build_model, count_parameters
+from exporters.smollm2_tokenizer import PRUNED_BLOCKS
 from exporters.spec import ModelSpec
 from passes.io.data_files import data_files
-from passes.io.model_io import save_model, weight_bytes
+from passes.io.model_io import EXTERNAL_DATA_THRESHOLD, save_model, weight_bytes
 
-# Same as exporters.smollm2.PRUNED_BLOCKS (not imported here: that module imports transformers).
-PRUNED_BLOCKS: tuple[int, ...] = tuple(range(13, 23))
-
-# A protobuf file cannot exceed 2 GiB; above this the weights go to `<model file name>.data`.
-EXTERNAL_DATA_THRESHOLD = 2**31 - 2**26  # 2 GiB less 64 MiB of head room for the graph itself
 # Example input used for tracing; neither dim is 0 or 1, so the exporter does not specialize them.
 EXAMPLE_SHAPE = (2, 7)
 

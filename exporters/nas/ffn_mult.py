@@ -13,16 +13,9 @@ without the rounding would be off), 4.0 for SmolLM2's 1536 at hidden 576.
 
 from __future__ import annotations
 
-import math
-
+from exporters.spec import PAPER_FFN_GRANULARITY as GRANULARITY
+from exporters.spec import ffn_width
 from passes.errors import UserError
-
-GRANULARITY = 256
-
-
-def ffn_width(ffn_mult: float, hidden: int) -> int:
-    """The engines' rule: int(2 * ffn_mult * hidden / 3) rounded up to a multiple of 256."""
-    return math.ceil(int(2 * ffn_mult * hidden / 3) / GRANULARITY) * GRANULARITY
 
 
 def ffn_mult_for(width: int, hidden: int) -> float:

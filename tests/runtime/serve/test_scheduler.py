@@ -192,6 +192,44 @@ class Recording:
         return self.inner.decode(tokens, isolate)
 
 
+class PoisonedPrefill(Recording):
+    """A runner whose prefill fails for any call that holds a chunk with POISON (a prompt that breaks the
+    model), recording the calls."""
+
+    POISON = 93
+
+    def prefill(self, chunks: dict) -> dict:
+        self.calls.append(("prefill", {k: len(c.tokens) for k, c in chunks.items()}, len(self.inner.keys)))
+        if any(self.POISON in c.tokens for c in chunks.values()):
+            raise RuntimeError("injected prefill fault")
+        return self.inner.prefill(chunks)
+
+
+def test_a_prompt_that_breaks_a_batched_prefill_fails_alone():
+    """Three requests admitted in one step share one prefill call; it fails because one prompt breaks the
+    model. The scheduler prefills them again one at a time: that request gets an error, the two others
+    what they get alone."""
+    model = DecodeModel.open(fx.decode_models("decode"))
+    good = PROMPTS[:2]
+    alone = [greedy_generate(model, [p], 5).tokens[0] for p in good]
+    runner = PoisonedPrefill(CachedRunner(model))
+    scheduler = Scheduler(runner, max_batch=8)
+    clients = [Client() for _ in range(3)]
+    prompts = [good[0], [4, PoisonedPrefill.POISON, 6], good[1]]
+    for prompt, listener in zip(prompts, clients, strict=True):  # all waiting: admitted in one step
+        scheduler.submit(GenerationRequest(prompt, 5, Sampler(0.0), emit=listener))
+    scheduler.start()
+    try:
+        assert all(c.done.wait(60) for c in clients)
+    finally:
+        scheduler.stop()
+    prefills = [sorted(keys.values()) for kind, keys, _ in runner.calls if kind == "prefill"]
+    assert len(prefills[0]) == 3 and all(len(p) == 1 for p in prefills[1:4])  # together, then one by one
+    (error,) = [e for e in clients[1].events if e.kind == "error"]
+    assert "injected prefill fault" in error.reason and not clients[1].tokens()
+    assert [clients[0].tokens(), clients[2].tokens()] == alone
+
+
 class Client:
     """A request's events as the scheduler emits them, with a signal for its first token and its end."""
 
