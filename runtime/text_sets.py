@@ -100,7 +100,7 @@ def model_tokenizer(folder: Path | None, vocab: int | None) -> Any | None:
 
         # A config.json naming the model's own code (auto_map: DeciLM / nemotron-nas) makes AutoTokenizer
         # ask on stdin to run it, then fail on the bare config; the tokenizer never needs that code.
-        custom = {"config": PreTrainedConfig()} if "auto_map" in _json_object(folder / "config.json") else {}
+        custom = {"config": PreTrainedConfig()} if "auto_map" in json_object(folder / "config.json") else {}
         try:
             return AutoTokenizer.from_pretrained(str(folder), **custom)
         except (OSError, ValueError) as exc:
@@ -111,7 +111,7 @@ def model_tokenizer(folder: Path | None, vocab: int | None) -> Any | None:
     return load_tokenizer()
 
 
-def _json_object(path: Path) -> dict:
+def json_object(path: Path) -> dict:
     """A JSON file's object ({} when the file is missing or holds no object); invalid JSON is a UserError."""
     if not path.is_file():
         return {}

@@ -26,7 +26,7 @@ from runtime.backends import Backend, OrtBackend, TrtBackend
 from runtime.generate import DecodeModel
 from runtime.serve.batch import Runner, runner_for
 from runtime.serve.tp_ranks import TpRanks
-from runtime.text_sets import is_tokenizer_folder, model_tokenizer
+from runtime.text_sets import is_tokenizer_folder, json_object, model_tokenizer
 
 BACKENDS = ("auto", "ort", "tensorrt", "tp")
 ENGINE_SUFFIXES = (".engine", ".plan")
@@ -179,8 +179,8 @@ def _served(
     left_padding: bool,
 ) -> ServedModel:
     tokenizer = load_tokenizer(source.folder, ranks.vocab if ranks is not None else model.backend.vocab)
-    config = _read_json(source.folder / "config.json")
-    genai = _read_json(source.folder / "genai_config.json").get("model", {})
+    config = json_object(source.folder / "config.json")
+    genai = json_object(source.folder / "genai_config.json").get("model", {})
     context = int(max_context or config.get("max_position_embeddings") or genai.get("context_length") or 0)
     limits = engine_limits(source.target) if source.backend == "tensorrt" else EngineLimits()
     if limits.total:
@@ -210,7 +210,7 @@ class EngineLimits:
 def engine_limits(engine: Path) -> EngineLimits:
     """The bounds of a TensorRT engine's optimization profile, from its sidecar <engine>.json
     (exporters.tensorrt.build): max batch and sequence of input_ids, max length of attention_mask."""
-    profile = _read_json(engine.with_name(engine.name + ".json")).get("profile") or {}
+    profile = json_object(engine.with_name(engine.name + ".json")).get("profile") or {}
     ids, mask = profile.get("input_ids", {}).get("max"), profile.get("attention_mask", {}).get("max")
     return EngineLimits(
         batch=int(ids[0]) if ids else None,
@@ -232,7 +232,7 @@ def load_tokenizer(folder: Path, vocab: int | None) -> Any:
 def eos_ids(folder: Path, tokenizer: Any, genai: dict) -> frozenset[int]:
     ids: set[int] = set()
     for value in (
-        _read_json(folder / "generation_config.json").get("eos_token_id"),
+        json_object(folder / "generation_config.json").get("eos_token_id"),
         genai.get("eos_token_id"),
         tokenizer.eos_token_id,
     ):
@@ -242,12 +242,3 @@ def eos_ids(folder: Path, tokenizer: Any, genai: dict) -> frozenset[int]:
             ids.update(v for v in value if isinstance(v, int))
     return frozenset(ids)
 
-
-def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{path} is not valid JSON: {exc}") from None
-    return data if isinstance(data, dict) else {}
