@@ -48,9 +48,9 @@ import ml_dtypes
 import numpy as np
 
 from exporters.nas.layout import NasLayout, TensorSource
-from exporters.nas.safetensors_out import _runs, _Sources, _write_run, band_rows
+from exporters.nas.safetensors_out import _runs, _Sources, _write_run, band_rows, range_copy
 from passes.errors import UserError
-from passes.io.file_copy import copy_range, write_at
+from passes.io.file_copy import write_at
 
 ARCH = "deci"
 QTYPES = {
@@ -335,16 +335,8 @@ def gguf_tensor(spec: GgufSource, dtype: str) -> GgufTensor:
     if source.kernel_copyable and not spec.permute_heads and plain is not None and stored == np.dtype(plain):
         path, start, length = source.byte_range()
         path = os.path.realpath(path)
-
-        def copy(fd: int, at: int) -> int:
-            opened = os.open(path, os.O_RDONLY)
-            try:
-                copy_range(opened, start, fd, at, length, name=path)
-            finally:
-                os.close(opened)
-            return length
-
-        return GgufTensor(spec.name, shape, qtype, nbytes, copy, ("copy", path, start, length))
+        return GgufTensor(spec.name, shape, qtype, nbytes, range_copy(path, start, length),
+                          ("copy", path, start, length))
     return GgufTensor(spec.name, shape, qtype, nbytes, lambda fd, at: _write_bands(spec, qtype, fd, at))
 
 

@@ -197,13 +197,19 @@ def _llama_hf(writer: gguf.GGUFWriter, folder: Path, vocab_size: int) -> str:
         scores.append(score)
         types.append(kind)
     _pad(folder, tokens, scores, types, vocab_size)
+    _add_llama_vocab(writer, folder, tokens, scores, types)
+    return "llama (tokenizer.json)"
+
+
+def _add_llama_vocab(writer: gguf.GGUFWriter, folder: Path, tokens: list, scores: list, types: list) -> None:
+    """A sentencepiece-style vocabulary (llama.cpp's "llama" tokenizer model) and the folder's special
+    tokens, as the converter's sentencepiece and byte-fallback BPE paths both write them."""
     writer.add_tokenizer_model("llama")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
     writer.add_token_scores(scores)
     writer.add_token_types(types)
     gguf.SpecialVocab(folder, n_vocab=len(tokens)).add_to_gguf(writer, quiet=True)
-    return "llama (tokenizer.json)"
 
 
 def _pad(folder: Path, tokens: list, scores: list, types: list, vocab_size: int) -> None:
@@ -223,12 +229,7 @@ def _pad(folder: Path, tokens: list, scores: list, types: list, vocab_size: int)
 def _sentencepiece(writer: gguf.GGUFWriter, folder: Path, vocab_size: int) -> str:
     """`_set_vocab_sentencepiece`."""
     tokens, scores, types = sentencepiece_vocab(folder, vocab_size)
-    writer.add_tokenizer_model("llama")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_scores(scores)
-    writer.add_token_types(types)
-    gguf.SpecialVocab(folder, n_vocab=len(tokens)).add_to_gguf(writer, quiet=True)
+    _add_llama_vocab(writer, folder, tokens, scores, types)
     return "llama (sentencepiece)"
 
 

@@ -71,9 +71,9 @@ def write_bands(fd: int, offset: int, bands: Iterator[np.ndarray]) -> int:
     return written
 
 
-def copied(name: str, dtype: str, shape: tuple[int, ...], path: str, start: int, length: int) -> OutTensor:
-    """A tensor whose bytes are `length` bytes at `start` of `path`: copied in the kernel."""
-    path = os.path.realpath(path)
+def range_copy(path: str, start: int, length: int) -> Callable[[int, int], int]:
+    """A writer of `length` bytes at `start` of `path` into (fd, offset), copied in the kernel; both output
+    formats (safetensors, GGUF) copy a weight whose bytes are already right this way."""
 
     def write(fd: int, offset: int) -> int:
         source = os.open(path, os.O_RDONLY)
@@ -83,7 +83,13 @@ def copied(name: str, dtype: str, shape: tuple[int, ...], path: str, start: int,
             os.close(source)
         return length
 
-    return OutTensor(name, dtype, shape, write, ("copy", path, start, length))
+    return write
+
+
+def copied(name: str, dtype: str, shape: tuple[int, ...], path: str, start: int, length: int) -> OutTensor:
+    """A tensor whose bytes are `length` bytes at `start` of `path`: copied in the kernel."""
+    path = os.path.realpath(path)
+    return OutTensor(name, dtype, shape, range_copy(path, start, length), ("copy", path, start, length))
 
 
 def in_memory(name: str, dtype: str, shape: tuple[int, ...], data: bytes) -> OutTensor:
