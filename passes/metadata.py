@@ -20,9 +20,6 @@ DECODE_METADATA_KEY = "ffn_fusion.decode"  # exporters/decode_spec.py: the decod
 HEAL_METADATA_KEY = "ffn_fusion.heal"  # runtime/heal: what healing changed, and the hashes it started from
 TP_METADATA_KEY = "ffn_fusion.tp"  # passes/shard: a rank graph's rank, world size and head split
 
-# onnx_ir graph.meta key (in memory, never saved): passes/shapes.py's shapes, inferred once per graph.
-SHAPES_CACHE_KEY = "ffn_fusion.shapes"
-
 # config.json key of a Hugging Face folder: the layers whose attention exporters.hf.folder dropped (o_proj
 # zero); transformers ignores it, the project's exporters remove those sub-blocks.
 DROPPED_ATTENTION_KEY = "ffn_fusion_dropped_attention"

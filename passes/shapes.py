@@ -22,8 +22,9 @@ from functools import reduce
 import numpy as np
 import onnx_ir as ir
 
-from passes.metadata import SHAPES_CACHE_KEY
-
+# The onnx_ir graph.meta entry (in memory, never saved: not one of passes/metadata.py's keys) that keeps a
+# graph's inferred shapes; importing passes.metadata here would close a circle through passes.plan.
+SHAPES_CACHE = "ffn_fusion.shapes"
 INT_MAX = 2**62  # Slice ends above this mean "to the end"
 _MAX_VALUE_ELEMENTS = 64  # only small integer tensors carry values
 
@@ -695,10 +696,10 @@ class World:
 def graph_shapes(graph: ir.Graph) -> World:
     """The symbolic shapes of `graph`, computed once per graph and node count (kept in the graph's own
     metadata, so they go when the graph goes)."""
-    cached = graph.meta.get(SHAPES_CACHE_KEY)
+    cached = graph.meta.get(SHAPES_CACHE)
     if cached is None or cached[0] != len(graph):
         cached = (len(graph), World(graph).run())
-        graph.meta[SHAPES_CACHE_KEY] = cached
+        graph.meta[SHAPES_CACHE] = cached
     return cached[1]
 
 
